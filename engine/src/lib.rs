@@ -4,13 +4,23 @@
 //! * [`layer`] / [`layers`]: the layer abstraction (named, shaped parameters) and the layer zoo.
 //! * [`model`] / [`models`]: an ordered stack of layers whose backward calls a hook per layer
 //!   the moment that layer's gradient is ready, and the built-in models (`mlp`, `cnn`, `gpt-tiny`).
-//! * [`loss`], [`optim`], [`data`]: losses, per-layer optimizers and LR schedules, data sets.
-//! * [`plan`], [`schedule`], [`staleness`]: sync plans (buckets, strategies), the DreamDDP
-//!   schedule, and staleness-weighted averaging.
+//! * [`loss`], [`optim`], [`lr`], [`data`]: losses, per-layer optimizers, LR schedules, data sets.
+//! * [`plan`], [`bucket`], [`schedule`], [`staleness`]: sync plans (strategies, buckets), the
+//!   DreamDDP schedule, and staleness-weighted averaging.
 
 pub mod backend;
+pub mod bucket;
+pub mod data;
 pub mod layer;
+pub mod layers;
+pub mod loss;
+pub mod lr;
 pub mod model;
+pub mod models;
+pub mod optim;
+pub mod plan;
+pub mod schedule;
+pub mod staleness;
 pub mod tensor;
 
 #[cfg(test)]

@@ -1,1 +1,7 @@
+//! dreamddp node runner: one node's N local workers, the intra-node collective they
+//! synchronize through, a link shaper that emulates a slower interconnect, and the
+//! training loop that executes a sync strategy.
 
+pub mod collective;
+pub mod link;
+pub mod thread_collective;

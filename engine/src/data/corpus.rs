@@ -1,0 +1,1 @@
+//! Character corpus (tinyshakespeare) with a vocabulary and train/validation split.

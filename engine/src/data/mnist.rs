@@ -1,0 +1,1 @@
+//! MNIST IDX (.gz or raw) loader.

@@ -1,0 +1,1 @@
+//! Elementwise activations: ReLU and GELU (tanh approximation).

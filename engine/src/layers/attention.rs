@@ -1,0 +1,1 @@
+//! Causal multi-head self-attention.

@@ -1,0 +1,1 @@
+//! Pre-LayerNorm transformer block (attention + MLP, both residual) as one layer.

@@ -1,0 +1,1 @@
+//! 2-D convolution (NCHW) through im2col + GEMM.

@@ -1,0 +1,1 @@
+//! Token + learned positional embeddings for character models.

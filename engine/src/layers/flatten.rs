@@ -1,0 +1,1 @@
+//! Flatten: reshapes [N, ...] to [N, prod(...)] (no parameters).

@@ -1,0 +1,1 @@
+//! Layer normalization over the last dimension with learned scale and shift.

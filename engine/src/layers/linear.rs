@@ -1,0 +1,1 @@
+//! Fully connected layer (y = x·Wᵀ + b over the last dimension).

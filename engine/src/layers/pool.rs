@@ -1,0 +1,1 @@
+//! 2-D max pooling (NCHW).

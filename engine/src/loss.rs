@@ -1,0 +1,1 @@
+//! Softmax cross-entropy loss (mean over rows) and accuracy helpers.

@@ -1,0 +1,1 @@
+//! Learning-rate schedules: linear warmup then cosine decay.

@@ -1,0 +1,1 @@
+//! The `gpt-tiny` character-level causal transformer.

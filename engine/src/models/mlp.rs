@@ -1,0 +1,1 @@
+//! The `mlp` model for MNIST / digits.

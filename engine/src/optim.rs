@@ -1,0 +1,1 @@
+//! Per-layer optimizers: SGD with momentum and AdamW.

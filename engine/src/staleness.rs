@@ -1,0 +1,1 @@
+//! Staleness-weighted averaging of layer deltas (polynomial and hinge).
