@@ -1,1 +1,23 @@
-fn main() {}
+//! `dreamddp`: the command-line entry point. Subcommands live in their own modules.
+
+mod cli;
+mod compare;
+mod plots;
+mod train_cmd;
+
+use clap::Parser;
+
+fn main() {
+    let args = cli::Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(if args.verbose { "debug" } else { "info" }));
+    tracing_subscriber::fmt().with_env_filter(filter).with_target(false).with_writer(std::io::stderr).init();
+    let result = match args.command {
+        cli::Command::Train(a) => train_cmd::run(*a),
+        cli::Command::Plan(a) => train_cmd::plan(*a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

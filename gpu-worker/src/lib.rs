@@ -4,4 +4,7 @@
 
 pub mod collective;
 pub mod link;
+pub mod profile;
+pub mod task;
 pub mod thread_collective;
+pub mod trainer;

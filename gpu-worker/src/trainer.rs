@@ -1,0 +1,499 @@
+//! The node training loop: N worker threads, each with an identical model replica and its
+//! own data shard, executing one sync strategy through the intra-node collective.
+//!
+//! Per step and worker: forward → loss → backward with a per-layer hook. What the hook and
+//! the end of the step do depends on the strategy:
+//!
+//! | strategy | in the backward hook | after backward |
+//! |---|---|---|
+//! | `ssgd` | nothing | all-reduce all gradients (one bucket), wait, step every layer |
+//! | `wfbp` | when a gradient bucket is complete, launch its all-reduce | wait each bucket, step |
+//! | `localsgd` | step the layer locally | every H-th step: all-reduce all parameters, wait |
+//! | `dreamddp` | step the layer; if due, launch its bucket's parameter all-reduce as soon as the bucket is complete | wait the launched buckets, write averaged parameters |
+//!
+//! Evaluation pauses every worker at a barrier; its time is excluded from step times.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::Instant;
+
+use engine::data::sampler::ShardedSampler;
+use engine::loss::softmax_cross_entropy;
+use engine::lr::LrSchedule;
+use engine::model::{Model, NamedLayer};
+use engine::optim::{LayerOptimizer, OptimizerConfig};
+use engine::plan::{Strategy, SyncPlan};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::collective::{Collective, CollectiveError, ReduceHandle, ReduceKey};
+use crate::link::LinkModel;
+use crate::task::{Batch, Task, TaskData};
+use crate::thread_collective::ThreadCollective;
+
+/// Everything that defines one training run on one node.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    /// Worker threads (replicas).
+    pub workers: usize,
+    /// Sync strategy.
+    pub strategy: Strategy,
+    /// Optimizer steps per worker.
+    pub steps: u64,
+    /// Per-worker batch size.
+    pub batch: usize,
+    /// Peak learning rate.
+    pub lr: f32,
+    /// Linear warmup steps (then cosine decay to 10% of `lr`).
+    pub warmup: u64,
+    /// Optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Interconnect model the collective is shaped with.
+    pub link: LinkModel,
+    /// Seed of the model init and the data order.
+    pub seed: u64,
+    /// Evaluate every this many steps (0 = only at the end).
+    pub eval_every: u64,
+    /// Cap on test examples (images) or validation batches (chars) per evaluation.
+    pub eval_limit: Option<usize>,
+}
+
+/// Errors that stop a training run.
+#[derive(Debug, Error)]
+pub enum TrainError {
+    /// The collective failed (a worker died, mismatched buckets).
+    #[error("collective failed: {0}")]
+    Collective(#[from] CollectiveError),
+    /// The loss became NaN or infinite.
+    #[error("training diverged at step {step} on worker {rank} (loss {loss}); lower --lr or raise --warmup")]
+    Diverged {
+        /// Step.
+        step: u64,
+        /// Worker.
+        rank: usize,
+        /// The loss value seen.
+        loss: f32,
+    },
+    /// A worker thread panicked.
+    #[error("worker {0} panicked: {1}")]
+    WorkerPanicked(usize, String),
+    /// Bad configuration.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+/// One point of the learning curve (measured on worker 0's replica).
+#[derive(Clone, Debug, Serialize)]
+pub struct CurvePoint {
+    /// Steps completed.
+    pub step: u64,
+    /// Training seconds so far (evaluation excluded).
+    pub train_seconds: f64,
+    /// Bytes sent by all workers so far.
+    pub bytes_sent: u64,
+    /// Mean training loss since the previous point.
+    pub train_loss: f64,
+    /// Test accuracy (classification), 0..1.
+    pub test_accuracy: Option<f64>,
+    /// Test / validation loss.
+    pub test_loss: f64,
+}
+
+/// The summary of one run; serialized as the `--out` JSON.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    /// Strategy name.
+    pub strategy: String,
+    /// Model name.
+    pub model: String,
+    /// Data set name.
+    pub dataset: String,
+    /// Worker threads.
+    pub workers: usize,
+    /// Steps per worker.
+    pub steps: u64,
+    /// Per-worker batch.
+    pub batch: usize,
+    /// Period H (localsgd, dreamddp).
+    pub period: u64,
+    /// Link model as given.
+    pub link: String,
+    /// Final test accuracy of the averaged model (classification).
+    pub test_accuracy: Option<f64>,
+    /// Final validation loss in nats per character (gpt-tiny), or test loss.
+    pub val_loss: f64,
+    /// Bytes sent over the collective by all workers (ring all-reduce accounting).
+    pub bytes_sent: u64,
+    /// Wall-clock seconds of the whole run, evaluation included.
+    pub wall_seconds: f64,
+    /// Training seconds (evaluation excluded), mean over workers.
+    pub train_seconds: f64,
+    /// Mean (amortized) step time in milliseconds.
+    pub mean_step_ms: f64,
+    /// Number of parameter/gradient syncs of each layer.
+    pub per_layer_syncs: BTreeMap<String, u64>,
+    /// Learning curve.
+    pub curve: Vec<CurvePoint>,
+}
+
+struct Shared {
+    task: Task,
+    cfg: TrainConfig,
+    plan: SyncPlan,
+    collective: Arc<dyn Collective>,
+    barrier: Barrier,
+    curve: Mutex<Vec<CurvePoint>>,
+    progress: Box<dyn Fn(u64, f32) + Send + Sync>,
+}
+
+struct WorkerResult {
+    final_params: Vec<f32>,
+    train_seconds: f64,
+    syncs: BTreeMap<String, u64>,
+}
+
+/// Trains `task` with `cfg` and `plan` on `cfg.workers` threads. `progress(step, loss)` is
+/// called by worker 0 after every step.
+pub fn train(
+    task: &Task,
+    cfg: &TrainConfig,
+    plan: SyncPlan,
+    progress: Box<dyn Fn(u64, f32) + Send + Sync>,
+) -> Result<RunReport, TrainError> {
+    if cfg.workers == 0 {
+        return Err(TrainError::Config("--workers must be at least 1".into()));
+    }
+    if cfg.batch == 0 || cfg.steps == 0 {
+        return Err(TrainError::Config("--batch and --steps must be at least 1".into()));
+    }
+    if let TaskData::Images(tt) = &task.data {
+        if tt.train.len() < cfg.workers {
+            return Err(TrainError::Config(format!(
+                "{} training examples cannot be sharded over {} workers",
+                tt.train.len(),
+                cfg.workers
+            )));
+        }
+    }
+    let collective: Arc<dyn Collective> = Arc::new(ThreadCollective::new(cfg.workers, cfg.link));
+    let shared = Arc::new(Shared {
+        task: task.clone(),
+        cfg: cfg.clone(),
+        plan,
+        collective: collective.clone(),
+        barrier: Barrier::new(cfg.workers),
+        curve: Mutex::new(Vec::new()),
+        progress,
+    });
+    let started = Instant::now();
+    let handles: Vec<_> = (0..cfg.workers)
+        .map(|rank| {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name(format!("worker-{rank}"))
+                .spawn(move || {
+                    let r = run_worker(rank, &shared);
+                    if r.is_err() {
+                        shared.collective.shutdown();
+                    }
+                    r
+                })
+                .map_err(|e| TrainError::Config(format!("cannot spawn worker thread: {e}")))
+        })
+        .collect::<Result<_, _>>()?;
+    let mut results = Vec::with_capacity(cfg.workers);
+    let mut first_err = None;
+    for (rank, h) in handles.into_iter().enumerate() {
+        match h.join() {
+            Ok(Ok(r)) => results.push(r),
+            Ok(Err(e)) => {
+                // Keep the root cause, not the PeerGone errors it caused in the others.
+                if first_err.is_none() || !matches!(e, TrainError::Collective(CollectiveError::PeerGone)) {
+                    first_err.get_or_insert(e);
+                }
+            }
+            Err(p) => {
+                collective.shutdown();
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                first_err = Some(TrainError::WorkerPanicked(rank, msg));
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+
+    // The model a user gets is the average of the replicas (identical for ssgd/wfbp). For
+    // strategies whose replicas differ this is one more full all-reduce: count its bytes.
+    let mut model = task.build_model(cfg.seed);
+    let n = results[0].final_params.len();
+    let mut avg = vec![0.0f32; n];
+    for r in &results {
+        for (a, v) in avg.iter_mut().zip(&r.final_params) {
+            *a += v;
+        }
+    }
+    let inv = 1.0 / results.len() as f32;
+    avg.iter_mut().for_each(|a| *a *= inv);
+    set_flat_values(&mut model, &avg);
+    let mut bytes_sent: u64 = (0..cfg.workers).map(|r| collective.bytes_sent(r)).sum();
+    let replicas_differ = matches!(cfg.strategy, Strategy::LocalSgd | Strategy::DreamDdp)
+        && results.iter().any(|r| r.final_params != results[0].final_params);
+    if replicas_differ {
+        bytes_sent += cfg.link.ring_allreduce_bytes_per_rank(n * 4, cfg.workers) as u64 * cfg.workers as u64;
+    }
+    let eval = task.evaluate(&mut model, cfg.eval_limit);
+    let train_seconds = results.iter().map(|r| r.train_seconds).sum::<f64>() / results.len() as f64;
+    let curve = std::mem::take(&mut *shared.curve.lock().unwrap_or_else(|p| p.into_inner()));
+    Ok(RunReport {
+        strategy: cfg.strategy.to_string(),
+        model: task.model.name().to_string(),
+        dataset: task.dataset.clone(),
+        workers: cfg.workers,
+        steps: cfg.steps,
+        batch: cfg.batch,
+        period: shared.plan.period(),
+        link: cfg.link.to_string(),
+        test_accuracy: eval.accuracy,
+        val_loss: eval.loss,
+        bytes_sent,
+        wall_seconds: started.elapsed().as_secs_f64(),
+        train_seconds,
+        mean_step_ms: train_seconds * 1e3 / cfg.steps as f64,
+        per_layer_syncs: results[0].syncs.clone(),
+        curve,
+    })
+}
+
+/// A launched all-reduce: which layers it carries, in backward order, and its handle.
+struct InFlight {
+    bucket: u32,
+    layers: Vec<usize>,
+    handle: ReduceHandle,
+    launched: Instant,
+}
+
+fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
+    let cfg = &sh.cfg;
+    let task = &sh.task;
+    let mut model = task.build_model(cfg.seed);
+    let infos = model.layer_infos();
+    let mut opts: Vec<Option<LayerOptimizer>> = model
+        .layers
+        .iter()
+        .map(|l| (!l.layer.params().is_empty()).then(|| LayerOptimizer::new(&cfg.optimizer, l.layer.params())))
+        .collect();
+    let schedule = LrSchedule { base_lr: cfg.lr, warmup_steps: cfg.warmup, total_steps: cfg.steps, min_lr: cfg.lr * 0.1 };
+    let mut sampler = ShardedSampler::new(task.train_len(), rank, cfg.workers, cfg.seed, true);
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)));
+    let mut batch = Batch::default();
+    let buckets = sh.plan.buckets().to_vec();
+    let mut bucket_of = vec![usize::MAX; model.layers.len()];
+    for (b, bucket) in buckets.iter().enumerate() {
+        for &l in &bucket.layers {
+            bucket_of[l] = b;
+        }
+    }
+    let mut syncs: BTreeMap<String, u64> = infos.iter().map(|i| (i.name.clone(), 0)).collect();
+    let mut train_seconds = 0.0f64;
+    let mut loss_sum = 0.0f64;
+    let mut loss_count = 0u64;
+    let mut staging: Vec<Vec<f32>> = vec![Vec::new(); buckets.len()];
+    let mut due_left = vec![0usize; buckets.len()];
+    let mut in_flight: Vec<InFlight> = Vec::new();
+    let strategy = cfg.strategy;
+    let all_layers: Vec<usize> = infos.iter().rev().map(|i| i.index).collect();
+
+    for step in 0..cfg.steps {
+        let lr = schedule.lr_at(step);
+        if matches!(task.data, TaskData::Images(_)) {
+            batch.indices = sampler.next_batch(cfg.batch);
+        }
+        task.fill_batch(&mut batch, &mut rng, cfg.batch);
+
+        let t0 = Instant::now();
+        let logits = model.forward(&batch.input, true);
+        let (loss, grad) = softmax_cross_entropy(&logits, &batch.targets);
+        if !loss.is_finite() {
+            return Err(TrainError::Diverged { step, rank, loss });
+        }
+        loss_sum += loss as f64;
+        loss_count += 1;
+
+        // Which layers of each bucket sync at this step.
+        for (b, bucket) in buckets.iter().enumerate() {
+            staging[b].clear();
+            due_left[b] = match strategy {
+                Strategy::Wfbp => bucket.layers.len(),
+                Strategy::DreamDdp => bucket.layers.iter().filter(|&&l| sh.plan.is_due(step, l)).count(),
+                Strategy::Ssgd | Strategy::LocalSgd => 0,
+            };
+        }
+        let mut launch_error: Option<CollectiveError> = None;
+        {
+            let collective = &sh.collective;
+            let plan = &sh.plan;
+            let opts = &mut opts;
+            let staging = &mut staging;
+            let due_left = &mut due_left;
+            let in_flight = &mut in_flight;
+            let buckets = &buckets;
+            let bucket_of = &bucket_of;
+            let launch_error = &mut launch_error;
+            let mut hook = |idx: usize, layer: &mut NamedLayer| {
+                let is_due = match strategy {
+                    Strategy::Ssgd => false,
+                    Strategy::Wfbp => true,
+                    Strategy::LocalSgd => {
+                        step_layer(opts, idx, layer, lr);
+                        false
+                    }
+                    Strategy::DreamDdp => {
+                        step_layer(opts, idx, layer, lr);
+                        plan.is_due(step, idx)
+                    }
+                };
+                if !is_due {
+                    return;
+                }
+                let b = bucket_of[idx];
+                let buf = &mut staging[b];
+                for p in layer.layer.params() {
+                    buf.extend_from_slice(if strategy == Strategy::Wfbp { &p.grad } else { &p.value });
+                }
+                due_left[b] -= 1;
+                if due_left[b] == 0 {
+                    let layers: Vec<usize> = buckets[b]
+                        .layers
+                        .iter()
+                        .copied()
+                        .filter(|&l| strategy == Strategy::Wfbp || plan.is_due(step, l))
+                        .collect();
+                    let key = ReduceKey { step, bucket: b as u32 };
+                    match collective.all_reduce_mean(rank, key, std::mem::take(buf)) {
+                        Ok(handle) => {
+                            in_flight.push(InFlight { bucket: b as u32, layers, handle, launched: Instant::now() })
+                        }
+                        Err(e) => {
+                            launch_error.get_or_insert(e);
+                        }
+                    }
+                }
+            };
+            model.backward_with_hook(&grad, &mut hook);
+        }
+        if let Some(e) = launch_error {
+            return Err(e.into());
+        }
+
+        match strategy {
+            Strategy::Ssgd => {
+                let mut flat = Vec::with_capacity(model.param_count());
+                for &l in &all_layers {
+                    for p in model.layers[l].layer.params() {
+                        flat.extend_from_slice(&p.grad);
+                    }
+                }
+                let key = ReduceKey { step, bucket: 0 };
+                let launched = Instant::now();
+                let handle = sh.collective.all_reduce_mean(rank, key, flat)?;
+                in_flight.push(InFlight { bucket: 0, layers: all_layers.clone(), handle, launched });
+            }
+            Strategy::LocalSgd if (step + 1) % sh.plan.period() == 0 => {
+                let mut flat = Vec::with_capacity(model.param_count());
+                for &l in &all_layers {
+                    for p in model.layers[l].layer.params() {
+                        flat.extend_from_slice(&p.value);
+                    }
+                }
+                let key = ReduceKey { step, bucket: 0 };
+                let launched = Instant::now();
+                let handle = sh.collective.all_reduce_mean(rank, key, flat)?;
+                in_flight.push(InFlight { bucket: 0, layers: all_layers.clone(), handle, launched });
+            }
+            _ => {}
+        }
+
+        // Wait for every launched bucket and write the averages back.
+        for f in in_flight.drain(..) {
+            let averaged = f.handle.wait()?;
+            let grads = matches!(strategy, Strategy::Ssgd | Strategy::Wfbp);
+            let mut off = 0;
+            for &l in &f.layers {
+                for p in model.layers[l].layer.params_mut() {
+                    let n = p.value.len();
+                    let dst = if grads { &mut p.grad } else { &mut p.value };
+                    dst.copy_from_slice(&averaged[off..off + n]);
+                    off += n;
+                }
+                if rank == 0 {
+                    *syncs.entry(model.layers[l].name.clone()).or_default() += 1;
+                }
+            }
+            if rank == 0 {
+                tracing::debug!(
+                    "[SYNC] layer={} bucket={} bytes={} ms={:.3}",
+                    f.layers.iter().map(|&l| model.layers[l].name.as_str()).collect::<Vec<_>>().join("+"),
+                    f.bucket,
+                    off * 4,
+                    f.launched.elapsed().as_secs_f64() * 1e3
+                );
+            }
+        }
+        if matches!(strategy, Strategy::Ssgd | Strategy::Wfbp) {
+            for &l in &all_layers {
+                step_layer(&mut opts, l, &mut model.layers[l], lr);
+            }
+        }
+        train_seconds += t0.elapsed().as_secs_f64();
+        if rank == 0 {
+            (sh.progress)(step + 1, loss);
+        }
+
+        let last = step + 1 == cfg.steps;
+        if cfg.eval_every > 0 && ((step + 1) % cfg.eval_every == 0 || last) {
+            sh.barrier.wait();
+            if rank == 0 {
+                let eval = task.evaluate(&mut model, cfg.eval_limit);
+                let bytes: u64 = (0..cfg.workers).map(|r| sh.collective.bytes_sent(r)).sum();
+                let point = CurvePoint {
+                    step: step + 1,
+                    train_seconds,
+                    bytes_sent: bytes,
+                    train_loss: loss_sum / loss_count.max(1) as f64,
+                    test_accuracy: eval.accuracy,
+                    test_loss: eval.loss,
+                };
+                sh.curve.lock().unwrap_or_else(|p| p.into_inner()).push(point);
+                loss_sum = 0.0;
+                loss_count = 0;
+            }
+            sh.barrier.wait();
+        }
+    }
+    Ok(WorkerResult { final_params: model.flat_values(), train_seconds, syncs })
+}
+
+fn step_layer(opts: &mut [Option<LayerOptimizer>], idx: usize, layer: &mut NamedLayer, lr: f32) {
+    if let Some(opt) = opts[idx].as_mut() {
+        opt.step(layer.layer.params_mut(), lr);
+    }
+}
+
+/// Writes a vector made by [`Model::flat_values`] back into the model.
+pub fn set_flat_values(model: &mut Model, flat: &[f32]) {
+    let mut off = 0;
+    for i in 0..model.layers.len() {
+        let n: usize = model.layers[i].layer.params().iter().map(|p| p.len()).sum();
+        if n > 0 {
+            model.set_layer_values(i, &flat[off..off + n]);
+            off += n;
+        }
+    }
+}

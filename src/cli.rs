@@ -1,0 +1,147 @@
+//! Command-line definitions (clap) and the TOML config file that can stand in for flags.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use serde::Deserialize;
+
+/// Layer-wise partial synchronization (DreamDDP) for heterogeneous, lossy training clusters.
+#[derive(Parser, Debug)]
+#[command(name = "dreamddp", version, about)]
+pub struct Cli {
+    /// Log every per-layer sync (`[SYNC] layer=… bucket=… bytes=… ms=…`); RUST_LOG overrides.
+    #[arg(short, long, global = true)]
+    pub verbose: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Train a model with N worker threads and a sync strategy (or --compare all strategies).
+    Train(Box<TrainArgs>),
+    /// Print the sync plan (buckets, per-layer phase and period) a strategy would use, without training.
+    Plan(Box<TrainArgs>),
+}
+
+/// Flags of `train` and `plan`. Every flag can also come from `--config FILE.toml`
+/// (same names with `_` for `-`); flags given on the command line win.
+#[derive(Args, Debug, Default, Clone)]
+pub struct TrainArgs {
+    /// TOML file with any of the flags below as keys (e.g. `strategy = "dreamddp"`).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Model: mlp, cnn, gpt-tiny.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Data set: mnist, digits (embedded in the binary), tinyshakespeare, or auto
+    /// (mnist when ../shared/data is present, else digits; tinyshakespeare for gpt-tiny).
+    #[arg(long)]
+    pub dataset: Option<String>,
+    /// Folder with the data sets (MNIST IDX files, digits.csv, tinyshakespeare/input.txt).
+    /// Default: $DREAMDDP_DATA_DIR, then ../shared/data/datasets.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Worker threads (model replicas) on this node.
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Strategy: ssgd, wfbp, localsgd, dreamddp.
+    #[arg(long)]
+    pub strategy: Option<String>,
+    /// Period H of localsgd and dreamddp (each layer synced once per H steps).
+    #[arg(long)]
+    pub period: Option<u64>,
+    /// DreamDDP schedule: profiled (DFS over measured backward and communication times) or equal.
+    #[arg(long)]
+    pub schedule: Option<String>,
+    /// Per-layer period overrides, e.g. `head=1,fc1=8`.
+    #[arg(long)]
+    pub layer_period: Option<String>,
+    /// Optimizer steps per worker (default depends on the model and data set).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Per-worker batch size.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    pub lr: Option<f32>,
+    /// Linear warmup steps before the cosine decay.
+    #[arg(long)]
+    pub warmup: Option<u64>,
+    /// Optimizer: sgd (momentum 0.9, Nesterov) or adamw.
+    #[arg(long)]
+    pub optimizer: Option<String>,
+    /// Interconnect between the workers: `none`, `auto` (a full-model all-reduce takes as long
+    /// as one backward pass), or `BANDWIDTH[,LATENCY]` such as `1gbit,200us`.
+    #[arg(long)]
+    pub link: Option<String>,
+    /// Seed for the model init and the data order.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Evaluate every N steps (0: only at the end).
+    #[arg(long)]
+    pub eval_every: Option<u64>,
+    /// Cap on test examples per evaluation (full test set by default).
+    #[arg(long)]
+    pub eval_limit: Option<usize>,
+    /// Run ssgd, wfbp, localsgd and dreamddp on the same seed and data and compare them.
+    #[arg(long)]
+    pub compare: bool,
+    /// Strategies for --compare (comma-separated).
+    #[arg(long)]
+    pub strategies: Option<String>,
+    /// Where to write the JSON summary (train) or the folder for compare outputs.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// The TOML form of [`TrainArgs`]; unknown keys are errors that name the key.
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct TrainFile {
+    model: Option<String>,
+    dataset: Option<String>,
+    data_dir: Option<PathBuf>,
+    workers: Option<usize>,
+    strategy: Option<String>,
+    period: Option<u64>,
+    schedule: Option<String>,
+    layer_period: Option<String>,
+    steps: Option<u64>,
+    batch: Option<usize>,
+    lr: Option<f32>,
+    warmup: Option<u64>,
+    optimizer: Option<String>,
+    link: Option<String>,
+    seed: Option<u64>,
+    eval_every: Option<u64>,
+    eval_limit: Option<usize>,
+    compare: Option<bool>,
+    strategies: Option<String>,
+    out: Option<PathBuf>,
+}
+
+impl TrainArgs {
+    /// Fills every flag not given on the command line from the config file, if any.
+    pub fn merge_config(mut self) -> anyhow::Result<Self> {
+        let Some(path) = self.config.clone() else { return Ok(self) };
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", path.display()))?;
+        let f: TrainFile =
+            toml::from_str(&text).map_err(|e| anyhow::anyhow!("bad config {}: {e}", path.display()))?;
+        macro_rules! fill {
+            ($($field:ident),*) => { $( if self.$field.is_none() { self.$field = f.$field; } )* };
+        }
+        fill!(
+            model, dataset, data_dir, workers, strategy, period, schedule, layer_period, steps, batch, lr,
+            warmup, optimizer, link, seed, eval_every, eval_limit, strategies, out
+        );
+        self.compare |= f.compare.unwrap_or(false);
+        Ok(self)
+    }
+}

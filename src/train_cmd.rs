@@ -1,0 +1,231 @@
+//! `dreamddp train` and `dreamddp plan`: resolve flags into a task, a config and a sync
+//! plan; train with a progress bar; print and write the summary.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use engine::optim::OptimizerConfig;
+use engine::plan::{ScheduleKind, Strategy, SyncPlan};
+use gpu_worker::link::LinkModel;
+use gpu_worker::planning::{build_plan, PlanInputs};
+use gpu_worker::profile::profile_step;
+use gpu_worker::task::{load_data, ModelKind, Task};
+use gpu_worker::trainer::{train, RunReport, TrainConfig};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::cli::TrainArgs;
+
+/// A fully resolved run: everything needed to train one strategy.
+pub struct Resolved {
+    pub task: Task,
+    pub cfg: TrainConfig,
+    pub period: u64,
+    pub schedule: ScheduleKind,
+    pub overrides: Vec<(String, u64)>,
+    pub link_spec: String,
+}
+
+fn data_dir(args: &TrainArgs) -> Option<PathBuf> {
+    args.data_dir.clone().or_else(engine::data::locate::shared_datasets_dir)
+}
+
+/// Turns flags (and the config file) into a task and a training configuration.
+pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
+    let model: ModelKind = args.model.as_deref().unwrap_or("mlp").parse().map_err(|e: String| anyhow!(e))?;
+    let dir = data_dir(args);
+    let dataset = match args.dataset.as_deref().unwrap_or("auto") {
+        "auto" => match (&model, &dir) {
+            (ModelKind::GptTiny, _) => "tinyshakespeare".to_string(),
+            (_, Some(d)) if d.join("mnist").is_dir() || d.join("train-images-idx3-ubyte.gz").is_file() => {
+                "mnist".to_string()
+            }
+            _ => "digits".to_string(),
+        },
+        other => other.to_string(),
+    };
+    let data = load_data(&dataset, dir.as_deref()).map_err(|e| anyhow!(e))?;
+    let task = Task::new(model, &dataset, data).map_err(|e| anyhow!(e))?;
+    let d = task.defaults();
+    let strategy: Strategy = args.strategy.as_deref().unwrap_or("dreamddp").parse().map_err(|e| anyhow!("{e}"))?;
+    let schedule: ScheduleKind = args.schedule.as_deref().unwrap_or("profiled").parse().map_err(|e| anyhow!("{e}"))?;
+    let optimizer = match args.optimizer.as_deref() {
+        None => d.optimizer.clone(),
+        Some("sgd") => OptimizerConfig::Sgd { momentum: 0.9, weight_decay: 0.0, nesterov: true },
+        Some("adamw") | Some("adam") => {
+            OptimizerConfig::AdamW { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 }
+        }
+        Some(o) => bail!("unknown --optimizer '{o}'; expected sgd or adamw"),
+    };
+    let overrides = parse_overrides(args.layer_period.as_deref().unwrap_or(""))?;
+    let workers = args.workers.unwrap_or(4);
+    let batch = args.batch.unwrap_or(d.batch);
+    let seed = args.seed.unwrap_or(0);
+    let link_spec = args.link.clone().unwrap_or_else(|| "none".to_string());
+    let link = if link_spec == "auto" {
+        let prof = profile_step(&task, batch, workers, 5, seed);
+        let params: usize = prof.units.iter().map(|u| u.2).sum();
+        let link = LinkModel::calibrated(params * 4, workers, prof.backward_s, 20e-6);
+        tracing::info!(
+            "--link auto: backward {:.2} ms per step with {workers} workers on this machine → link {link} \
+             (a full-model all-reduce takes about one backward pass)",
+            prof.backward_s * 1e3
+        );
+        link
+    } else {
+        link_spec.parse().map_err(|e| anyhow!("{e}"))?
+    };
+    let cfg = TrainConfig {
+        workers,
+        strategy,
+        steps: args.steps.unwrap_or(d.steps),
+        batch,
+        lr: args.lr.unwrap_or(d.lr),
+        warmup: args.warmup.unwrap_or(d.warmup),
+        optimizer,
+        link,
+        seed,
+        eval_every: args.eval_every.unwrap_or(d.eval_every),
+        eval_limit: args.eval_limit,
+    };
+    let period = args.period.unwrap_or(4);
+    Ok(Resolved { task, cfg, period, schedule, overrides, link_spec })
+}
+
+fn parse_overrides(s: &str) -> Result<Vec<(String, u64)>> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            let (name, k) = p
+                .split_once('=')
+                .ok_or_else(|| anyhow!("bad --layer-period entry '{p}': expected LAYER=PERIOD, e.g. head=1"))?;
+            let k: u64 = k
+                .trim()
+                .parse()
+                .map_err(|_| anyhow!("bad --layer-period entry '{p}': '{k}' is not a whole number"))?;
+            Ok((name.trim().to_string(), k))
+        })
+        .collect()
+}
+
+/// Builds the sync plan of `r` for `strategy` (profiling the model when the schedule needs it).
+pub fn plan_for(r: &Resolved, strategy: Strategy) -> Result<SyncPlan> {
+    build_plan(&PlanInputs {
+        task: &r.task,
+        strategy,
+        period: r.period,
+        schedule: r.schedule,
+        overrides: &r.overrides,
+        link: &r.cfg.link,
+        workers: r.cfg.workers,
+        batch: r.cfg.batch,
+        seed: r.cfg.seed,
+    })
+    .map_err(|e| anyhow!("{e}"))
+}
+
+/// Trains one strategy with a progress bar.
+pub fn train_one(r: &Resolved, strategy: Strategy, quiet: bool) -> Result<RunReport> {
+    let plan = plan_for(r, strategy)?;
+    tracing::debug!("sync plan:\n{}", plan.describe());
+    let mut cfg = r.cfg.clone();
+    cfg.strategy = strategy;
+    let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(cfg.steps) };
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>9} [{elapsed_precise}] {wide_bar} {pos}/{len} steps  loss {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_prefix(strategy.to_string());
+    bar.enable_steady_tick(Duration::from_millis(250));
+    let b = bar.clone();
+    let report = train(
+        &r.task,
+        &cfg,
+        plan,
+        Box::new(move |step, loss| {
+            b.set_position(step);
+            if step % 10 == 0 {
+                b.set_message(format!("{loss:.4}"));
+            }
+        }),
+    )
+    .with_context(|| format!("training with strategy {strategy} failed"))?;
+    bar.finish_and_clear();
+    Ok(report)
+}
+
+/// A one-line human summary of a report.
+pub fn summary_line(r: &RunReport) -> String {
+    let metric = match r.test_accuracy {
+        Some(a) => format!("test accuracy {:.2}%", a * 100.0),
+        None => format!("validation loss {:.3} nats/char", r.val_loss),
+    };
+    format!(
+        "{} {} on {} ({} workers, {} steps): {metric}; {} synchronized; {:.1} s wall, {:.2} ms/step",
+        r.strategy,
+        r.model,
+        r.dataset,
+        r.workers,
+        r.steps,
+        human_bytes(r.bytes_sent),
+        r.wall_seconds,
+        r.mean_step_ms
+    )
+}
+
+/// Bytes as B/KiB/MiB/GiB.
+pub fn human_bytes(b: u64) -> String {
+    let b = b as f64;
+    if b >= 1024.0 * 1024.0 * 1024.0 {
+        format!("{:.2} GiB", b / (1024.0 * 1024.0 * 1024.0))
+    } else if b >= 1024.0 * 1024.0 {
+        format!("{:.1} MiB", b / (1024.0 * 1024.0))
+    } else if b >= 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else {
+        format!("{b} B")
+    }
+}
+
+/// Writes `value` as pretty JSON to `path`, creating parent folders.
+pub fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    let text = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// `dreamddp train`.
+pub fn run(args: TrainArgs) -> Result<()> {
+    let args = args.merge_config()?;
+    if args.compare {
+        return crate::compare::run(&args);
+    }
+    let r = resolve(&args)?;
+    tracing::info!(
+        "training {} on {} with {} workers, strategy {}, period {}, link {}",
+        r.task.model.name(),
+        r.task.dataset,
+        r.cfg.workers,
+        r.cfg.strategy,
+        r.period,
+        r.cfg.link
+    );
+    let report = train_one(&r, r.cfg.strategy, args.quiet)?;
+    println!("{}", summary_line(&report));
+    if let Some(out) = &args.out {
+        write_json(out, &report)?;
+        println!("summary written to {}", out.display());
+    }
+    Ok(())
+}
+
+/// `dreamddp plan`: prints the plan without training.
+pub fn plan(args: TrainArgs) -> Result<()> {
+    let args = args.merge_config()?;
+    let r = resolve(&args)?;
+    let plan = plan_for(&r, r.cfg.strategy)?;
+    println!("{}", plan.describe());
+    Ok(())
+}
