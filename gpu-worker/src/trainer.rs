@@ -290,7 +290,8 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         .map(|l| (!l.layer.params().is_empty()).then(|| LayerOptimizer::new(&cfg.optimizer, l.layer.params())))
         .collect();
     let schedule = LrSchedule { base_lr: cfg.lr, warmup_steps: cfg.warmup, total_steps: cfg.steps, min_lr: cfg.lr * 0.1 };
-    let mut sampler = ShardedSampler::new(task.train_len(), rank, cfg.workers, cfg.seed, true);
+    let mut sampler = ShardedSampler::new(task.train_len(), rank, cfg.workers, cfg.seed, true)
+        .map_err(|e| TrainError::Config(e.to_string()))?;
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)));
     let mut batch = Batch::default();
     let buckets = sh.plan.buckets().to_vec();
