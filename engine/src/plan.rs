@@ -1,1 +1,887 @@
 //! Sync plans: strategies, per-layer periods, which layers are due at a step.
+//!
+//! A [`SyncPlan`] is built once from a model's sync units (its parameterized layers,
+//! [`LayerInfo`] in forward order) and a [`PlanConfig`], and then answers, during backward,
+//! whether a layer must be synchronized at a global step ([`SyncPlan::is_due`]).
+//!
+//! Every unit gets a period `p` and a set of phases in `0..p`; it is due at step `s` when
+//! `s % p` is one of its phases:
+//!
+//! | strategy   | moves       | period of a unit          | phases                                  |
+//! |------------|-------------|---------------------------|-----------------------------------------|
+//! | `ssgd`     | gradients   | 1                         | `{0}` (every step)                       |
+//! | `wfbp`     | gradients   | 1                         | `{0}` (every step, bucketed in backward) |
+//! | `localsgd` | parameters  | H, or its override K      | `{p − 1}`: due when `(s + 1) % p == 0`   |
+//! | `dreamddp` | parameters  | H, or its override K      | the schedule's phases (see below)        |
+//!
+//! DreamDDP: the [`crate::schedule`] assigns every unit one phase of `0..H` (the profiled DFS
+//! or the equal split), possibly plus extra phases from bubble filling. A unit whose period is
+//! overridden to `K ≠ H` keeps only its primary phase, taken modulo `K` (so `K = 1` means every
+//! step). The schedule is computed over all units, overridden or not. `H = 1` degenerates to
+//! parameter averaging of every layer at every step.
+//!
+//! Buckets ([`crate::bucket`]) pack adjacent units (backward order) with the same period and
+//! phases.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::bucket::{make_buckets, Bucket, BucketCaps};
+use crate::model::LayerInfo;
+use crate::schedule::{self, DreamSchedule, ModelProfile, ScheduleError};
+
+/// An unknown name given for a [`Strategy`] or a [`ScheduleKind`].
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("unknown {what} `{got}`; valid: {valid}")]
+pub struct UnknownNameError {
+    /// What was being parsed (`strategy`, `schedule`).
+    pub what: &'static str,
+    /// The text given.
+    pub got: String,
+    /// The valid names, comma separated.
+    pub valid: String,
+}
+
+fn parse_name<T: Copy>(
+    what: &'static str,
+    s: &str,
+    all: &[T],
+    name: impl Fn(T) -> &'static str,
+) -> Result<T, UnknownNameError> {
+    all.iter()
+        .copied()
+        .find(|&v| name(v).eq_ignore_ascii_case(s.trim()))
+        .ok_or_else(|| UnknownNameError {
+            what,
+            got: s.to_string(),
+            valid: all.iter().map(|&v| name(v)).collect::<Vec<_>>().join(", "),
+        })
+}
+
+/// How replicas are kept in agreement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    /// Synchronous SGD: all gradients all-reduced after backward, every step.
+    Ssgd,
+    /// Wait-free backpropagation (PyTorch DDP): gradients all-reduced bucket by bucket during
+    /// backward, every step.
+    Wfbp,
+    /// Local SGD: all parameters averaged every H steps, after backward.
+    LocalSgd,
+    /// DreamDDP: each layer's parameters averaged once per H steps at its scheduled step,
+    /// launched in backward the moment its gradient is ready.
+    DreamDdp,
+}
+
+impl Strategy {
+    /// Every strategy, in the order they are listed to users.
+    pub const ALL: [Strategy; 4] = [
+        Strategy::Ssgd,
+        Strategy::Wfbp,
+        Strategy::LocalSgd,
+        Strategy::DreamDdp,
+    ];
+
+    /// The name used on the command line and in files.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Ssgd => "ssgd",
+            Strategy::Wfbp => "wfbp",
+            Strategy::LocalSgd => "localsgd",
+            Strategy::DreamDdp => "dreamddp",
+        }
+    }
+
+    /// True when parameters are averaged (local SGD family); false when gradients are
+    /// all-reduced every step.
+    pub fn syncs_parameters(self) -> bool {
+        matches!(self, Strategy::LocalSgd | Strategy::DreamDdp)
+    }
+
+    /// True when synchronization is launched during backward rather than after it.
+    pub fn overlaps_backward(self) -> bool {
+        matches!(self, Strategy::Wfbp | Strategy::DreamDdp)
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = UnknownNameError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        parse_name("strategy", s, &Strategy::ALL, Strategy::name)
+    }
+}
+
+/// Which DreamDDP schedule to build.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleKind {
+    /// The DFS over measured per-layer timings, with bubble filling.
+    #[default]
+    Profiled,
+    /// Contiguous equal split in backward order (baseline).
+    Equal,
+}
+
+impl ScheduleKind {
+    /// Every schedule kind.
+    pub const ALL: [ScheduleKind; 2] = [ScheduleKind::Profiled, ScheduleKind::Equal];
+
+    /// The name used on the command line and in files.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScheduleKind::Profiled => "profiled",
+            ScheduleKind::Equal => "equal",
+        }
+    }
+}
+
+impl fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ScheduleKind {
+    type Err = UnknownNameError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        parse_name("schedule", s, &ScheduleKind::ALL, ScheduleKind::name)
+    }
+}
+
+/// Why a plan could not be built.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum PlanError {
+    /// H = 0.
+    #[error("period must be at least 1 (got 0)")]
+    ZeroPeriod,
+    /// The model has no parameterized layer.
+    #[error("model {model} has no layer with parameters: nothing to synchronize")]
+    NoUnits {
+        /// Model name.
+        model: String,
+    },
+    /// A DreamDDP period longer than the number of sync units.
+    #[error(
+        "period {period} needs at least {period} sync units; model {model} has {units} \
+         — lower --period or use localsgd"
+    )]
+    PeriodExceedsUnits {
+        /// The period asked for.
+        period: u64,
+        /// Model name.
+        model: String,
+        /// Its number of sync units.
+        units: usize,
+    },
+    /// A period override naming a layer the model does not have (or one without parameters).
+    #[error("period override names unknown layer `{name}`; layers with parameters: {valid}")]
+    UnknownLayer {
+        /// The name given.
+        name: String,
+        /// The valid names, comma separated.
+        valid: String,
+    },
+    /// The same layer overridden twice.
+    #[error("period of layer `{name}` is overridden twice")]
+    DuplicateOverride {
+        /// Layer name.
+        name: String,
+    },
+    /// A per-layer period of 0.
+    #[error("period override for layer `{name}` must be at least 1 (got 0)")]
+    ZeroLayerPeriod {
+        /// Layer name.
+        name: String,
+    },
+    /// Per-layer periods asked of a strategy that syncs gradients every step.
+    #[error(
+        "per-layer periods apply to parameter averaging (localsgd, dreamddp), not {strategy}, \
+         which syncs every gradient every step"
+    )]
+    OverridesNeedParameterSync {
+        /// The strategy.
+        strategy: Strategy,
+    },
+    /// `a=b,c=d` override text that does not parse.
+    #[error("bad period override `{text}`: expected NAME=PERIOD[,NAME=PERIOD…]")]
+    BadOverrideSyntax {
+        /// The offending piece.
+        text: String,
+    },
+    /// A profiled schedule without timings.
+    #[error(
+        "schedule `profiled` needs per-layer timings; profile the model first \
+         (or use schedule::estimate_profiles) or use --schedule equal"
+    )]
+    MissingProfile,
+    /// Timings that do not belong to this model's units.
+    #[error(
+        "profile entry {position} (backward order) is for layer `{got}`, expected `{expected}`"
+    )]
+    ProfileMismatch {
+        /// Position in backward order.
+        position: usize,
+        /// Unit expected there.
+        expected: String,
+        /// What the profile has there (`<missing>` when too short).
+        got: String,
+    },
+    /// The schedule could not be built.
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+}
+
+/// Parses `"embed=32,head=1"` into period overrides.
+pub fn parse_period_overrides(text: &str) -> Result<Vec<(String, u64)>, PlanError> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|piece| !piece.is_empty())
+        .map(|piece| {
+            let bad = || PlanError::BadOverrideSyntax {
+                text: piece.to_string(),
+            };
+            let (name, period) = piece.split_once('=').ok_or_else(bad)?;
+            let period = period.trim().parse::<u64>().map_err(|_| bad())?;
+            let name = name.trim();
+            if name.is_empty() {
+                return Err(bad());
+            }
+            Ok((name.to_string(), period))
+        })
+        .collect()
+}
+
+/// What a plan is built from (besides the model's units and timings).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanConfig {
+    /// The strategy.
+    pub strategy: Strategy,
+    /// The period H (ignored by `ssgd`/`wfbp`, but must be ≥ 1).
+    pub period: u64,
+    /// DreamDDP schedule kind (ignored by other strategies).
+    pub schedule: ScheduleKind,
+    /// Per-layer periods by layer name, e.g. `[("embed", 32), ("head", 1)]`.
+    pub period_overrides: Vec<(String, u64)>,
+    /// Bucket size limits.
+    pub bucket_caps: BucketCaps,
+}
+
+impl PlanConfig {
+    /// A config with the given strategy and period, the profiled schedule, no overrides and
+    /// PyTorch-DDP bucket caps.
+    pub fn new(strategy: Strategy, period: u64) -> Self {
+        Self {
+            strategy,
+            period,
+            schedule: ScheduleKind::Profiled,
+            period_overrides: Vec::new(),
+            bucket_caps: BucketCaps::default(),
+        }
+    }
+}
+
+/// The plan of one sync unit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnitPlan {
+    /// Model layer index.
+    pub index: usize,
+    /// Layer name.
+    pub name: String,
+    /// f32 parameters.
+    pub params: usize,
+    /// Period of this unit (1 for gradient strategies).
+    pub period: u64,
+    /// Sorted phases in `0..period` at which the unit is due.
+    pub phases: Vec<u64>,
+    /// Id of the bucket holding it.
+    pub bucket: usize,
+}
+
+impl UnitPlan {
+    fn is_due(&self, step: u64) -> bool {
+        self.phases.binary_search(&(step % self.period)).is_ok()
+    }
+}
+
+/// Which layers synchronize at which step (see the module doc).
+#[derive(Clone, Debug)]
+pub struct SyncPlan {
+    model: String,
+    strategy: Strategy,
+    period: u64,
+    schedule_kind: ScheduleKind,
+    /// Units in forward order.
+    units: Vec<UnitPlan>,
+    /// Model layer index → position in `units`.
+    unit_of_layer: Vec<Option<usize>>,
+    buckets: Vec<Bucket>,
+    schedule: Option<DreamSchedule>,
+}
+
+impl SyncPlan {
+    /// Builds the plan of model `model` whose sync units are `units_forward` (forward order,
+    /// as [`crate::model::Model::layer_infos`] returns them). `profile` (backward order) is
+    /// needed by the profiled DreamDDP schedule only.
+    pub fn new(
+        model: &str,
+        units_forward: &[LayerInfo],
+        config: &PlanConfig,
+        profile: Option<&ModelProfile>,
+    ) -> Result<Self, PlanError> {
+        let h = config.period;
+        if h == 0 {
+            return Err(PlanError::ZeroPeriod);
+        }
+        if units_forward.is_empty() {
+            return Err(PlanError::NoUnits {
+                model: model.to_string(),
+            });
+        }
+        let overrides = resolve_overrides(units_forward, config)?;
+        let units_backward: Vec<LayerInfo> = units_forward.iter().rev().cloned().collect();
+
+        let schedule = if config.strategy == Strategy::DreamDdp {
+            if h > units_forward.len() as u64 {
+                return Err(PlanError::PeriodExceedsUnits {
+                    period: h,
+                    model: model.to_string(),
+                    units: units_forward.len(),
+                });
+            }
+            Some(match config.schedule {
+                ScheduleKind::Equal => schedule::equal_split(units_backward.len(), h)?,
+                ScheduleKind::Profiled => {
+                    let profile = profile.ok_or(PlanError::MissingProfile)?;
+                    check_profile(&units_backward, profile)?;
+                    schedule::profiled(&profile.layers, h, profile.forward_s)?
+                }
+            })
+        } else {
+            None
+        };
+
+        let mut units: Vec<UnitPlan> = units_forward
+            .iter()
+            .enumerate()
+            .map(|(position, info)| {
+                let period = overrides[position].unwrap_or(h);
+                let phases = match config.strategy {
+                    Strategy::Ssgd | Strategy::Wfbp => vec![0],
+                    Strategy::LocalSgd => vec![period - 1],
+                    Strategy::DreamDdp => {
+                        let s = schedule.as_ref().expect("dreamddp has a schedule");
+                        let backward_position = units_forward.len() - 1 - position;
+                        if period == h {
+                            s.phases_of_unit[backward_position].clone()
+                        } else {
+                            vec![s.primary_phase(backward_position) % period]
+                        }
+                    }
+                };
+                let period = if config.strategy.syncs_parameters() {
+                    period
+                } else {
+                    1
+                };
+                UnitPlan {
+                    index: info.index,
+                    name: info.name.clone(),
+                    params: info.params,
+                    period,
+                    phases,
+                    bucket: 0,
+                }
+            })
+            .collect();
+
+        let max_index = units.iter().map(|u| u.index).max().unwrap_or(0);
+        let mut unit_of_layer = vec![None; max_index + 1];
+        for (position, u) in units.iter().enumerate() {
+            unit_of_layer[u.index] = Some(position);
+        }
+
+        let buckets = {
+            let key = |index: usize| {
+                let u = &units[unit_of_layer[index].expect("bucketed layer is a unit")];
+                (u.period, u.phases.as_slice())
+            };
+            make_buckets(&units_backward, key, &config.bucket_caps)
+        };
+        for b in &buckets {
+            for &index in &b.layers {
+                let position = unit_of_layer[index].expect("bucketed layer is a unit");
+                units[position].bucket = b.id;
+            }
+        }
+
+        Ok(Self {
+            model: model.to_string(),
+            strategy: config.strategy,
+            period: if config.strategy.syncs_parameters() {
+                h
+            } else {
+                1
+            },
+            schedule_kind: config.schedule,
+            units,
+            unit_of_layer,
+            buckets,
+            schedule,
+        })
+    }
+
+    /// Whether layer `layer_index` (model index) is synchronized at global step `step`
+    /// (gradients for `ssgd`/`wfbp`, parameters otherwise). False for layers without
+    /// parameters or outside the model.
+    pub fn is_due(&self, step: u64, layer_index: usize) -> bool {
+        self.unit(layer_index).is_some_and(|u| u.is_due(step))
+    }
+
+    /// Model indices of the layers due at `step`, in **backward** order (the order their
+    /// gradients become ready).
+    pub fn due_layers(&self, step: u64) -> Vec<usize> {
+        self.units
+            .iter()
+            .rev()
+            .filter(|u| u.is_due(step))
+            .map(|u| u.index)
+            .collect()
+    }
+
+    /// The strategy.
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    /// The period H (1 for `ssgd`/`wfbp`). Units may have their own ([`UnitPlan::period`]).
+    pub fn period(&self) -> u64 {
+        self.period
+    }
+
+    /// The model name.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// Buckets in backward order.
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+
+    /// Units in forward order.
+    pub fn units(&self) -> &[UnitPlan] {
+        &self.units
+    }
+
+    /// The plan of layer `layer_index`, if it is a sync unit.
+    pub fn unit(&self, layer_index: usize) -> Option<&UnitPlan> {
+        let position = (*self.unit_of_layer.get(layer_index)?)?;
+        Some(&self.units[position])
+    }
+
+    /// The DreamDDP schedule (units in backward order), for `dreamddp` only.
+    pub fn schedule(&self) -> Option<&DreamSchedule> {
+        self.schedule.as_ref()
+    }
+
+    /// A human-readable table: one row per unit (forward order) with its parameters, period,
+    /// the phases (`step % period`) at which it is due, and its bucket.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let schedule = if self.strategy == Strategy::DreamDdp {
+            format!(", schedule {}", self.schedule_kind)
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            out,
+            "sync plan: model {}, strategy {}, period {}{}, {} sync units, {} buckets",
+            self.model,
+            self.strategy,
+            self.period,
+            schedule,
+            self.units.len(),
+            self.buckets.len()
+        );
+        let name_width = self
+            .units
+            .iter()
+            .map(|u| u.name.len())
+            .max()
+            .unwrap_or(0)
+            .max(5);
+        let _ = writeln!(
+            out,
+            "{:<name_width$} {:>5} {:>10} {:>6}  {:<16} {:>6}",
+            "layer", "index", "params", "period", "due (step%period)", "bucket"
+        );
+        for u in &self.units {
+            let due = if u.period == 1 {
+                "every step".to_string()
+            } else {
+                u.phases
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            let _ = writeln!(
+                out,
+                "{:<name_width$} {:>5} {:>10} {:>6}  {:<17} {:>6}",
+                u.name, u.index, u.params, u.period, due, u.bucket
+            );
+        }
+        out
+    }
+}
+
+/// Per-unit override (forward order), validated.
+fn resolve_overrides(
+    units_forward: &[LayerInfo],
+    config: &PlanConfig,
+) -> Result<Vec<Option<u64>>, PlanError> {
+    let mut resolved = vec![None; units_forward.len()];
+    if config.period_overrides.is_empty() {
+        return Ok(resolved);
+    }
+    if !config.strategy.syncs_parameters() {
+        return Err(PlanError::OverridesNeedParameterSync {
+            strategy: config.strategy,
+        });
+    }
+    let mut seen = HashSet::new();
+    for (name, period) in &config.period_overrides {
+        let position = units_forward
+            .iter()
+            .position(|u| &u.name == name)
+            .ok_or_else(|| PlanError::UnknownLayer {
+                name: name.clone(),
+                valid: units_forward
+                    .iter()
+                    .map(|u| u.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })?;
+        if !seen.insert(name.as_str()) {
+            return Err(PlanError::DuplicateOverride { name: name.clone() });
+        }
+        if *period == 0 {
+            return Err(PlanError::ZeroLayerPeriod { name: name.clone() });
+        }
+        resolved[position] = Some(*period);
+    }
+    Ok(resolved)
+}
+
+fn check_profile(units_backward: &[LayerInfo], profile: &ModelProfile) -> Result<(), PlanError> {
+    for (position, unit) in units_backward.iter().enumerate() {
+        match profile.layers.get(position) {
+            Some(p) if p.index == unit.index && p.name == unit.name => {}
+            other => {
+                return Err(PlanError::ProfileMismatch {
+                    position,
+                    expected: unit.name.clone(),
+                    got: other.map_or_else(|| "<missing>".to_string(), |p| p.name.clone()),
+                })
+            }
+        }
+    }
+    if let Some(extra) = profile.layers.get(units_backward.len()) {
+        return Err(PlanError::ProfileMismatch {
+            position: units_backward.len(),
+            expected: "<none>".to_string(),
+            got: extra.name.clone(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Strategy;
+    use super::*;
+    use crate::schedule::LayerProfile;
+    use proptest::prelude::*;
+    use serde::de::value::{Error as DeError, StrDeserializer};
+    use serde::de::IntoDeserializer;
+
+    /// An mlp-like model: fc1 (0), relu (1), fc2 (2), relu (3), fc3 (4), head (5).
+    fn mlp() -> Vec<LayerInfo> {
+        [
+            ("fc1", 0, 1000),
+            ("fc2", 2, 500),
+            ("fc3", 4, 200),
+            ("head", 5, 50),
+        ]
+        .into_iter()
+        .map(|(name, index, params)| LayerInfo {
+            index,
+            name: name.to_string(),
+            kind: "linear",
+            params,
+        })
+        .collect()
+    }
+
+    fn config(strategy: Strategy, period: u64) -> PlanConfig {
+        PlanConfig {
+            schedule: ScheduleKind::Equal,
+            ..PlanConfig::new(strategy, period)
+        }
+    }
+
+    fn profile(units: &[LayerInfo], comm: f64) -> ModelProfile {
+        ModelProfile {
+            forward_s: 0.1,
+            layers: units
+                .iter()
+                .rev()
+                .map(|u| LayerProfile {
+                    name: u.name.clone(),
+                    index: u.index,
+                    params: u.params,
+                    backward_s: 1.0,
+                    comm_s: comm,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn names_round_trip_and_unknown_names_list_the_valid_ones() {
+        for s in Strategy::ALL {
+            assert_eq!(s.to_string().parse::<Strategy>().unwrap(), s);
+            let de: StrDeserializer<'_, DeError> = s.name().into_deserializer();
+            assert_eq!(Strategy::deserialize(de).unwrap(), s);
+        }
+        for k in ScheduleKind::ALL {
+            assert_eq!(k.to_string().parse::<ScheduleKind>().unwrap(), k);
+            let de: StrDeserializer<'_, DeError> = k.name().into_deserializer();
+            assert_eq!(ScheduleKind::deserialize(de).unwrap(), k);
+        }
+        assert_eq!("DreamDDP".parse::<Strategy>().unwrap(), Strategy::DreamDdp);
+        let err = "diloco".parse::<Strategy>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unknown strategy `diloco`; valid: ssgd, wfbp, localsgd, dreamddp"
+        );
+        let err = "random".parse::<ScheduleKind>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unknown schedule `random`; valid: profiled, equal"
+        );
+    }
+
+    #[test]
+    fn gradient_strategies_sync_every_layer_every_step() {
+        for s in [Strategy::Ssgd, Strategy::Wfbp] {
+            let plan = SyncPlan::new("mlp", &mlp(), &config(s, 4), None).unwrap();
+            assert_eq!(plan.period(), 1);
+            for step in 0..5 {
+                assert_eq!(plan.due_layers(step), vec![5, 4, 2, 0]);
+            }
+            assert!(!plan.is_due(0, 1), "relu has no parameters");
+            assert!(!plan.is_due(0, 99));
+        }
+    }
+
+    #[test]
+    fn localsgd_syncs_everything_at_the_end_of_each_period() {
+        let plan = SyncPlan::new("mlp", &mlp(), &config(Strategy::LocalSgd, 3), None).unwrap();
+        let due: Vec<usize> = (0..9)
+            .filter(|&s| plan.is_due(s, 0))
+            .map(|s| s as usize)
+            .collect();
+        assert_eq!(due, vec![2, 5, 8]);
+        assert!(plan.due_layers(1).is_empty());
+        assert_eq!(plan.due_layers(2), vec![5, 4, 2, 0]);
+        // A period longer than the number of units is fine for local SGD.
+        assert!(SyncPlan::new("mlp", &mlp(), &config(Strategy::LocalSgd, 50), None).is_ok());
+    }
+
+    #[test]
+    fn dreamddp_equal_split_syncs_each_layer_once_per_period() {
+        let plan = SyncPlan::new("mlp", &mlp(), &config(Strategy::DreamDdp, 2), None).unwrap();
+        // Backward order head, fc3 | fc2, fc1.
+        assert_eq!(plan.due_layers(0), vec![5, 4]);
+        assert_eq!(plan.due_layers(1), vec![2, 0]);
+        assert_eq!(plan.due_layers(2), vec![5, 4]);
+        // Buckets follow the phases (all layers are tiny).
+        let layers: Vec<_> = plan.buckets().iter().map(|b| b.layers.clone()).collect();
+        assert_eq!(layers, vec![vec![5, 4], vec![2, 0]]);
+        assert_eq!(plan.unit(0).unwrap().bucket, 1);
+        let text = plan.describe();
+        assert!(
+            text.contains("strategy dreamddp, period 2, schedule equal"),
+            "{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("head") && l.contains(" 0 ")),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn dreamddp_period_one_is_every_step_averaging() {
+        let plan = SyncPlan::new("mlp", &mlp(), &config(Strategy::DreamDdp, 1), None).unwrap();
+        for step in 0..3 {
+            assert_eq!(plan.due_layers(step), vec![5, 4, 2, 0]);
+        }
+    }
+
+    #[test]
+    fn dreamddp_profiled_uses_the_profile_and_checks_it() {
+        let units = mlp();
+        let cfg = PlanConfig::new(Strategy::DreamDdp, 2);
+        assert_eq!(
+            SyncPlan::new("mlp", &units, &cfg, None).unwrap_err(),
+            PlanError::MissingProfile
+        );
+        let p = profile(&units, 0.3);
+        let plan = SyncPlan::new("mlp", &units, &cfg, Some(&p)).unwrap();
+        let s = plan.schedule().unwrap();
+        for step in 0..2 {
+            assert!(!plan.due_layers(step).is_empty());
+        }
+        for u in plan.units() {
+            assert!(!u.phases.is_empty());
+        }
+        assert_eq!(s.phases_of_unit.len(), 4);
+        let mut wrong = p.clone();
+        wrong.layers.swap(0, 1);
+        assert!(matches!(
+            SyncPlan::new("mlp", &units, &cfg, Some(&wrong)),
+            Err(PlanError::ProfileMismatch { position: 0, .. })
+        ));
+        let mut short = p.clone();
+        short.layers.pop();
+        assert!(matches!(
+            SyncPlan::new("mlp", &units, &cfg, Some(&short)),
+            Err(PlanError::ProfileMismatch { position: 3, .. })
+        ));
+    }
+
+    #[test]
+    fn overrides_set_their_own_periods() {
+        let mut cfg = config(Strategy::DreamDdp, 2);
+        cfg.period_overrides = parse_period_overrides("fc1=8, head=1").unwrap();
+        let plan = SyncPlan::new("mlp", &mlp(), &cfg, None).unwrap();
+        // head: every step. fc1: primary phase 1 of 8 → steps 1, 9, 17.
+        assert!((0..10).all(|s| plan.is_due(s, 5)));
+        let fc1: Vec<u64> = (0..20).filter(|&s| plan.is_due(s, 0)).collect();
+        assert_eq!(fc1, vec![1, 9, 17]);
+        assert_eq!(plan.unit(0).unwrap().period, 8);
+
+        let mut local = config(Strategy::LocalSgd, 4);
+        local.period_overrides = vec![("fc1".into(), 2)];
+        let plan = SyncPlan::new("mlp", &mlp(), &local, None).unwrap();
+        let fc1: Vec<u64> = (0..8).filter(|&s| plan.is_due(s, 0)).collect();
+        assert_eq!(fc1, vec![1, 3, 5, 7]);
+        // Different periods never share a bucket.
+        assert_ne!(plan.unit(0).unwrap().bucket, plan.unit(2).unwrap().bucket);
+    }
+
+    #[test]
+    fn bad_configs_are_typed_errors_that_explain() {
+        let units = mlp();
+        let err = SyncPlan::new("mlp", &units, &config(Strategy::DreamDdp, 8), None).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "period 8 needs at least 8 sync units; model mlp has 4 — lower --period or use localsgd"
+        );
+        assert_eq!(
+            SyncPlan::new("mlp", &units, &config(Strategy::LocalSgd, 0), None).unwrap_err(),
+            PlanError::ZeroPeriod
+        );
+        assert!(matches!(
+            SyncPlan::new("empty", &[], &config(Strategy::Ssgd, 1), None),
+            Err(PlanError::NoUnits { .. })
+        ));
+
+        let mut cfg = config(Strategy::DreamDdp, 2);
+        cfg.period_overrides = vec![("embed".into(), 4)];
+        let err = SyncPlan::new("mlp", &units, &cfg, None).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "period override names unknown layer `embed`; layers with parameters: fc1, fc2, fc3, head"
+        );
+        cfg.period_overrides = vec![("head".into(), 0)];
+        assert!(matches!(
+            SyncPlan::new("mlp", &units, &cfg, None),
+            Err(PlanError::ZeroLayerPeriod { .. })
+        ));
+        cfg.period_overrides = vec![("head".into(), 1), ("head".into(), 2)];
+        assert!(matches!(
+            SyncPlan::new("mlp", &units, &cfg, None),
+            Err(PlanError::DuplicateOverride { .. })
+        ));
+        let mut ssgd = config(Strategy::Ssgd, 1);
+        ssgd.period_overrides = vec![("head".into(), 1)];
+        assert!(matches!(
+            SyncPlan::new("mlp", &units, &ssgd, None),
+            Err(PlanError::OverridesNeedParameterSync {
+                strategy: Strategy::Ssgd
+            })
+        ));
+        assert!(matches!(
+            parse_period_overrides("head"),
+            Err(PlanError::BadOverrideSyntax { .. })
+        ));
+        assert!(parse_period_overrides("head=x").is_err());
+        assert!(parse_period_overrides("=3").is_err());
+        assert_eq!(parse_period_overrides("").unwrap(), vec![]);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// DreamDDP: every unit is due at least once in every window of its period, and each
+        /// phase of the global period syncs something.
+        #[test]
+        fn dreamddp_covers_every_unit_each_period(
+            n in 1usize..12,
+            h_frac in 0.0f64..1.0,
+            comm in 0.0f64..3.0,
+            start in 0u64..100,
+            profiled in any::<bool>(),
+        ) {
+            let units: Vec<LayerInfo> = (0..n)
+                .map(|i| LayerInfo { index: i, name: format!("l{i}"), kind: "linear", params: 10 })
+                .collect();
+            let h = 1 + ((n - 1) as f64 * h_frac) as u64;
+            let mut cfg = PlanConfig::new(Strategy::DreamDdp, h);
+            if !profiled {
+                cfg.schedule = ScheduleKind::Equal;
+            }
+            let p = profile(&units, comm);
+            let plan = SyncPlan::new("m", &units, &cfg, Some(&p)).unwrap();
+            for u in &units {
+                prop_assert!((start..start + h).any(|s| plan.is_due(s, u.index)));
+            }
+            for s in start..start + h {
+                prop_assert!(!plan.due_layers(s).is_empty());
+                let due = plan.due_layers(s);
+                prop_assert!(due.windows(2).all(|w| w[0] > w[1]), "backward order");
+            }
+            if !profiled {
+                // Equal split: exactly once per period.
+                for u in &units {
+                    prop_assert_eq!((start..start + h).filter(|&s| plan.is_due(s, u.index)).count(), 1);
+                }
+            }
+        }
+    }
+}
