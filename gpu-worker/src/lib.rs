@@ -4,6 +4,7 @@
 
 pub mod collective;
 pub mod link;
+pub mod planning;
 pub mod profile;
 pub mod task;
 pub mod thread_collective;

@@ -1,0 +1,48 @@
+//! Builds a node's [`SyncPlan`]: the model's sync units, the strategy's period and per-layer
+//! overrides, and — for DreamDDP's `profiled` schedule — a profile measured on this machine
+//! (backward time per layer) combined with the link model (communication time per layer).
+
+use engine::plan::{PlanConfig, PlanError, ScheduleKind, Strategy, SyncPlan};
+use engine::schedule::ModelProfile;
+
+use crate::link::LinkModel;
+use crate::profile::profile_step;
+use crate::task::Task;
+
+/// What [`build_plan`] needs.
+pub struct PlanInputs<'a> {
+    /// The task (model + data) to profile.
+    pub task: &'a Task,
+    /// Strategy.
+    pub strategy: Strategy,
+    /// Period H.
+    pub period: u64,
+    /// DreamDDP schedule kind.
+    pub schedule: ScheduleKind,
+    /// Per-layer period overrides by layer name.
+    pub overrides: &'a [(String, u64)],
+    /// The link the collective is shaped with.
+    pub link: &'a LinkModel,
+    /// Worker threads.
+    pub workers: usize,
+    /// Per-worker batch (profiling uses the same batch as training).
+    pub batch: usize,
+    /// Seed.
+    pub seed: u64,
+}
+
+/// Builds the plan; profiles the model first when the DreamDDP `profiled` schedule needs it.
+pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanError> {
+    let model = inp.task.build_model(inp.seed);
+    let units = model.layer_infos();
+    let mut cfg = PlanConfig::new(inp.strategy, inp.period);
+    cfg.schedule = inp.schedule;
+    cfg.period_overrides = inp.overrides.to_vec();
+    let profile = if inp.strategy == Strategy::DreamDdp && inp.schedule == ScheduleKind::Profiled {
+        let p = profile_step(inp.task, inp.batch, inp.workers, 5, inp.seed);
+        Some(ModelProfile { forward_s: p.forward_s, layers: p.layer_profiles(inp.link, inp.workers) })
+    } else {
+        None
+    };
+    SyncPlan::new(&model.name, &units, &cfg, profile.as_ref())
+}
