@@ -439,11 +439,17 @@ mod tests {
         // 4 ranks, 1 MB: 6 latency steps + 1.5 MB over 100 MB/s.
         let seconds = shaped.ring_allreduce_seconds(1_000_000, 4);
         assert!((seconds - (6e-3 + 15e-3)).abs() < 1e-12, "{seconds}");
-        assert_eq!(LinkModel::ring_allreduce_bytes_per_rank(1_000_000, 4), 1.5e6);
+        assert_eq!(
+            LinkModel::ring_allreduce_bytes_per_rank(1_000_000, 4),
+            1.5e6
+        );
         assert_eq!(LinkModel::ring_allreduce_bytes_per_rank(1_000, 2), 1_000.0);
         assert_eq!(LinkModel::ring_allreduce_bytes_per_rank(1_000, 1), 0.0);
         assert_eq!(shaped.ring_allreduce_seconds(1_000_000, 1), 0.0);
-        assert_eq!(LinkModel::unshaped().ring_allreduce_seconds(1 << 30, 8), 0.0);
+        assert_eq!(
+            LinkModel::unshaped().ring_allreduce_seconds(1 << 30, 8),
+            0.0
+        );
         // Latency-only link: bandwidth term vanishes.
         let latency_only = link(f64::INFINITY, 2e-3);
         assert_eq!(latency_only.ring_allreduce_seconds(1 << 20, 3), 8e-3);

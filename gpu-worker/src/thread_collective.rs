@@ -110,12 +110,7 @@ impl Shared {
 
     /// Marks `rank`'s handle for `key` as collected and removes the operation once every
     /// rank has submitted and collected. Returns the removed operation, if any.
-    fn collect(
-        &self,
-        state: &mut TableState,
-        key: ReduceKey,
-        rank: usize,
-    ) -> Option<Operation> {
+    fn collect(&self, state: &mut TableState, key: ReduceKey, rank: usize) -> Option<Operation> {
         let operation = state.operations.get_mut(&key)?;
         if !operation.collected[rank] {
             operation.collected[rank] = true;
@@ -574,7 +569,11 @@ mod tests {
         assert!(model >= Duration::from_millis(20), "{model:?}");
         let key = ReduceKey::new(0, 0);
         let mut handles: Vec<_> = (0..world - 1)
-            .map(|rank| collective.all_reduce_mean(rank, key, vec![1.0; len]).unwrap())
+            .map(|rank| {
+                collective
+                    .all_reduce_mean(rank, key, vec![1.0; len])
+                    .unwrap()
+            })
             .collect();
         // The operation cannot start before the last rank submits.
         let before_last_submit = Instant::now();
@@ -608,16 +607,23 @@ mod tests {
         let first: Vec<_> = (0..world)
             .map(|rank| {
                 let key = ReduceKey::new(0, 0);
-                collective.all_reduce_mean(rank, key, vec![0.5; first_len]).unwrap()
+                collective
+                    .all_reduce_mean(rank, key, vec![0.5; first_len])
+                    .unwrap()
             })
             .collect();
         let second: Vec<_> = (0..world)
             .map(|rank| {
                 let key = ReduceKey::new(0, 1);
-                collective.all_reduce_mean(rank, key, vec![0.5; second_len]).unwrap()
+                collective
+                    .all_reduce_mean(rank, key, vec![0.5; second_len])
+                    .unwrap()
             })
             .collect();
-        assert!(!second[0].is_ready(), "the second bucket waits behind the first");
+        assert!(
+            !second[0].is_ready(),
+            "the second bucket waits behind the first"
+        );
         for handle in second {
             handle.wait().unwrap();
         }
@@ -700,8 +706,7 @@ mod tests {
     #[test]
     fn timeout_reports_how_long_it_waited() {
         let timeout = Duration::from_millis(15);
-        let collective =
-            ThreadCollective::with_timeout(2, LinkModel::unshaped(), timeout).unwrap();
+        let collective = ThreadCollective::with_timeout(2, LinkModel::unshaped(), timeout).unwrap();
         let key = ReduceKey::new(3, 3);
         let handle = collective.all_reduce_mean(0, key, vec![1.0]).unwrap();
         match handle.wait() {
