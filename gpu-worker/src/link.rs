@@ -329,6 +329,21 @@ impl fmt::Display for LinkModel {
     }
 }
 
+impl LinkModel {
+    /// A link on which a ring all-reduce of `bytes` over `world` ranks takes `target_s`
+    /// seconds, `latency_s` included (used by `--link auto`). Falls back to unshaped when
+    /// the target is too small to hold the latency term.
+    pub fn calibrated(bytes: usize, world: usize, target_s: f64, latency_s: f64) -> Self {
+        let steps = 2.0 * (world.max(1) as f64 - 1.0);
+        let wire = Self::ring_allreduce_bytes_per_rank(bytes, world);
+        let transfer_s = target_s - steps * latency_s;
+        if world <= 1 || transfer_s <= 0.0 || wire <= 0.0 {
+            return Self::unshaped();
+        }
+        Self { bandwidth_bytes_per_s: wire / transfer_s, latency_s }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -511,3 +526,4 @@ mod tests {
         }
     }
 }
+

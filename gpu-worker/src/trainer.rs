@@ -28,7 +28,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::collective::{Collective, CollectiveError, ReduceHandle, ReduceKey};
+use crate::collective::{AbortOnPanic, Collective, CollectiveError, ReduceHandle, ReduceKey};
 use crate::link::LinkModel;
 use crate::task::{Batch, Task, TaskData};
 use crate::thread_collective::ThreadCollective;
@@ -177,7 +177,7 @@ pub fn train(
             )));
         }
     }
-    let collective: Arc<dyn Collective> = Arc::new(ThreadCollective::new(cfg.workers, cfg.link));
+    let collective: Arc<dyn Collective> = Arc::new(ThreadCollective::new(cfg.workers, cfg.link)?);
     let shared = Arc::new(Shared {
         task: task.clone(),
         cfg: cfg.clone(),
@@ -194,9 +194,10 @@ pub fn train(
             std::thread::Builder::new()
                 .name(format!("worker-{rank}"))
                 .spawn(move || {
+                    let _guard = AbortOnPanic::new(shared.collective.as_ref(), rank);
                     let r = run_worker(rank, &shared);
-                    if r.is_err() {
-                        shared.collective.shutdown();
+                    if let Err(e) = &r {
+                        shared.collective.shutdown(&format!("worker {rank} stopped: {e}"));
                     }
                     r
                 })
@@ -210,12 +211,12 @@ pub fn train(
             Ok(Ok(r)) => results.push(r),
             Ok(Err(e)) => {
                 // Keep the root cause, not the PeerGone errors it caused in the others.
-                if first_err.is_none() || !matches!(e, TrainError::Collective(CollectiveError::PeerGone)) {
+                if first_err.is_none() || !matches!(e, TrainError::Collective(CollectiveError::PeerGone { .. })) {
                     first_err.get_or_insert(e);
                 }
             }
             Err(p) => {
-                collective.shutdown();
+                collective.shutdown(&format!("worker {rank} panicked"));
                 let msg = p
                     .downcast_ref::<String>()
                     .cloned()
@@ -246,7 +247,7 @@ pub fn train(
     let replicas_differ = matches!(cfg.strategy, Strategy::LocalSgd | Strategy::DreamDdp)
         && results.iter().any(|r| r.final_params != results[0].final_params);
     if replicas_differ {
-        bytes_sent += cfg.link.ring_allreduce_bytes_per_rank(n * 4, cfg.workers) as u64 * cfg.workers as u64;
+        bytes_sent += LinkModel::ring_allreduce_bytes_per_rank(n * 4, cfg.workers) as u64 * cfg.workers as u64;
     }
     let eval = task.evaluate(&mut model, cfg.eval_limit);
     let train_seconds = results.iter().map(|r| r.train_seconds).sum::<f64>() / results.len() as f64;
