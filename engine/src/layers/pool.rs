@@ -60,6 +60,98 @@ impl MaxPool2d {
     }
 }
 
+/// Window geometry over one `h × w` input plane.
+#[derive(Clone, Copy)]
+struct PlaneGeometry {
+    width: usize,
+    kernel: usize,
+    stride: usize,
+    out_h: usize,
+    out_w: usize,
+}
+
+impl PlaneGeometry {
+    /// Any window and stride. The window's first row seeds the maximum; later positions
+    /// replace it only when strictly larger, so ties resolve to the first position in
+    /// row-major order.
+    fn pool_any(&self, plane: &[f32], out_plane: &mut [f32], arg_plane: &mut [u32]) {
+        let PlaneGeometry {
+            width: w,
+            kernel: k,
+            stride: s,
+            out_h: oh,
+            out_w: ow,
+        } = *self;
+        for oy in 0..oh {
+            let out_row = &mut out_plane[oy * ow..(oy + 1) * ow];
+            let arg_row = &mut arg_plane[oy * ow..(oy + 1) * ow];
+            let first = oy * s * w;
+            for (ox, (best, arg)) in out_row.iter_mut().zip(arg_row.iter_mut()).enumerate() {
+                let start = first + ox * s;
+                let mut best_at = start;
+                for (j, v) in plane[start + 1..start + k].iter().enumerate() {
+                    if *v > plane[best_at] {
+                        best_at = start + 1 + j;
+                    }
+                }
+                *best = plane[best_at];
+                *arg = best_at as u32;
+            }
+            for kh in 1..k {
+                let row_start = (oy * s + kh) * w;
+                for (ox, (best, arg)) in out_row.iter_mut().zip(arg_row.iter_mut()).enumerate() {
+                    let start = row_start + ox * s;
+                    for (j, v) in plane[start..start + k].iter().enumerate() {
+                        if *v > *best {
+                            *best = *v;
+                            *arg = (start + j) as u32;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The common 2×2 window with stride 2, same tie rule as [`Self::pool_any`].
+    fn pool_2x2(&self, plane: &[f32], out_plane: &mut [f32], arg_plane: &mut [u32]) {
+        let PlaneGeometry {
+            width: w,
+            out_h: oh,
+            out_w: ow,
+            ..
+        } = *self;
+        let rows = out_plane
+            .chunks_exact_mut(ow)
+            .zip(arg_plane.chunks_exact_mut(ow));
+        for (oy, (out_row, arg_row)) in rows.enumerate().take(oh) {
+            let top_start = 2 * oy * w;
+            let top = &plane[top_start..top_start + 2 * ow];
+            let bottom = &plane[top_start + w..top_start + w + 2 * ow];
+            let windows = top.chunks_exact(2).zip(bottom.chunks_exact(2));
+            for (ox, ((best, arg), (t, b))) in out_row
+                .iter_mut()
+                .zip(arg_row.iter_mut())
+                .zip(windows)
+                .enumerate()
+            {
+                let at = (top_start + 2 * ox) as u32;
+                let (mut m, mut m_at) = (t[0], at);
+                if t[1] > m {
+                    (m, m_at) = (t[1], at + 1);
+                }
+                if b[0] > m {
+                    (m, m_at) = (b[0], at + w as u32);
+                }
+                if b[1] > m {
+                    (m, m_at) = (b[1], at + w as u32 + 1);
+                }
+                *best = m;
+                *arg = m_at;
+            }
+        }
+    }
+}
+
 impl Layer for MaxPool2d {
     fn kind(&self) -> &'static str {
         "maxpool2d"
@@ -91,37 +183,18 @@ impl Layer for MaxPool2d {
             .chunks_exact(h * w)
             .zip(out.data.chunks_exact_mut(oh * ow))
             .zip(self.argmax.chunks_exact_mut(oh * ow));
+        let plane_geometry = PlaneGeometry {
+            width: w,
+            kernel: k,
+            stride: s,
+            out_h: oh,
+            out_w: ow,
+        };
         for ((plane, out_plane), arg_plane) in planes {
-            for oy in 0..oh {
-                let out_row = &mut out_plane[oy * ow..(oy + 1) * ow];
-                let arg_row = &mut arg_plane[oy * ow..(oy + 1) * ow];
-                // The window's first row seeds the maximum; later rows replace it only when
-                // strictly larger, so ties resolve to the first position in row-major order.
-                let first = oy * s * w;
-                for (ox, (best, arg)) in out_row.iter_mut().zip(arg_row.iter_mut()).enumerate() {
-                    let start = first + ox * s;
-                    let mut best_at = start;
-                    for (j, v) in plane[start + 1..start + k].iter().enumerate() {
-                        if *v > plane[best_at] {
-                            best_at = start + 1 + j;
-                        }
-                    }
-                    *best = plane[best_at];
-                    *arg = best_at as u32;
-                }
-                for kh in 1..k {
-                    let row_start = (oy * s + kh) * w;
-                    for (ox, (best, arg)) in out_row.iter_mut().zip(arg_row.iter_mut()).enumerate()
-                    {
-                        let start = row_start + ox * s;
-                        for (j, v) in plane[start..start + k].iter().enumerate() {
-                            if *v > *best {
-                                *best = *v;
-                                *arg = (start + j) as u32;
-                            }
-                        }
-                    }
-                }
+            if k == 2 && s == 2 {
+                plane_geometry.pool_2x2(plane, out_plane, arg_plane);
+            } else {
+                plane_geometry.pool_any(plane, out_plane, arg_plane);
             }
         }
         if train {
