@@ -30,10 +30,14 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
-    /// The default `gpt-tiny`: context 64, width 64, 4 heads, 2 blocks (~0.1 M parameters
-    /// plus `vocab`-sized embedding/head rows). Large enough to reach ≤ 2.0 nats/char
-    /// validation loss on tinyshakespeare within a few CPU minutes at batch 32; small
-    /// enough that one step costs a few milliseconds per core.
+    /// The default `gpt-tiny`: context 64, width 64, 4 heads, 2 blocks (112,577 parameters
+    /// for the 65-character tinyshakespeare vocabulary).
+    ///
+    /// Measured with Adam (lr 3e-3, batch 32×64, the ignored test below): validation loss
+    /// 2.00 nats/char after 700 steps, 1.97 after 900, 1.86 after 1500, at ~65 ms of one
+    /// core per step (~1 min to the 2.0 target). Two blocks are the fewest that let
+    /// attention compose context beyond a bigram (~2.45 nats/char); width 64 keeps a
+    /// step cheap enough for multi-worker simulations on a few cores.
     pub fn tiny(vocab: usize) -> Self {
         Self {
             vocab,
@@ -426,7 +430,7 @@ mod tests {
         let steps: usize = std::env::var("GPT_STEPS")
             .ok()
             .and_then(|s| s.parse().ok())
-            .unwrap_or(2000);
+            .unwrap_or(1500);
         let lr: f32 = std::env::var("GPT_LR")
             .ok()
             .and_then(|s| s.parse().ok())
