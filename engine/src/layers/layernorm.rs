@@ -25,7 +25,11 @@ pub struct LayerNorm {
 
 impl LayerNorm {
     /// A layer norm over a last dimension of size `dim` with `eps = 1e-5`.
+    ///
+    /// # Panics
+    /// When `dim` is zero (an engine bug: model shapes are fixed in code).
     pub fn new(dim: usize) -> Self {
+        assert!(dim > 0, "layernorm over an empty dimension");
         Self {
             dim,
             eps: 1e-5,

@@ -68,13 +68,18 @@ impl Linear {
     /// A layer with the given weight (`[out, in]`, row-major) and bias (`[out]`).
     ///
     /// # Panics
-    /// When the lengths do not match the shapes (an engine bug).
+    /// When a feature count is zero or the lengths do not match the shapes (an engine bug:
+    /// model shapes are fixed in code).
     pub fn from_values(
         in_features: usize,
         out_features: usize,
         weight: Vec<f32>,
         bias: Vec<f32>,
     ) -> Self {
+        assert!(
+            in_features > 0 && out_features > 0,
+            "linear {in_features}→{out_features}"
+        );
         Self {
             in_features,
             out_features,
