@@ -1,0 +1,1408 @@
+//! One direction of a network link: its specification and a packet-level transfer model.
+//!
+//! [`LinkSpec`] is what a scenario file says about a link (TOML-friendly, validated with messages
+//! that name the field). [`Link`] turns a message of N bytes submitted at a time into a
+//! [`Transfer`]: when it was delivered (or why not), how many bytes went on the wire, how many
+//! packets were lost and retransmitted. The link is a FIFO: a message submitted while an earlier
+//! one is still being serialized waits for it. Everything is computed at submit time (sans-IO): the
+//! link is FIFO and its loss, jitter and capacity processes are seeded, so nothing that happens
+//! later can change a transfer's outcome.
+//!
+//! # Packet model (QUIC-like)
+//! * The message is cut into `ceil(N / mtu)` packets (at least one). Packets carry `mtu` bytes of
+//!   payload; header overhead is not modelled.
+//! * A packet occupies the link for its serialization time at the current capacity: constant
+//!   `bandwidth`, or the trace (mahimahi delivery opportunities / piecewise-constant Mbit/s).
+//! * The sender keeps the link busy (a rate-based, BBR-like sender: random loss does not shrink a
+//!   congestion window; congestion control is not modelled).
+//! * A packet is lost if its serialization ends inside an outage, or by the random loss model
+//!   (i.i.d. `loss` and/or a Gilbert–Elliott chain advanced once per packet sent). Loss and jitter
+//!   draws are taken for every packet, outage or not, so that an outage does not shift the random
+//!   streams of the packets after it.
+//! * A delivered packet arrives after `latency + U[0, jitter]`; its acknowledgement returns after
+//!   another `latency` (the reverse path is lossless and jitter-free) and feeds an RFC 9002
+//!   smoothed-RTT estimator that persists across transfers on the link.
+//! * A lost packet is declared lost either when three packets sent after it have been acknowledged
+//!   (packet threshold), or when its probe timeout expires: `PTO = max(srtt + max(4·rttvar, 1 ms),
+//!   2·latency + jitter) · 2^k` where `k` counts this packet's earlier losses (exponential
+//!   backoff). Before the first RTT sample `srtt = 2·latency + jitter`, `rttvar = srtt/2`, i.e. the
+//!   first PTO is about 3 RTT. Declared-lost packets are retransmitted before new data, oldest
+//!   first.
+//! * The message is delivered when its last packet arrives. With a deadline, a message whose last
+//!   packet would arrive after it is a failure (`delivered_at = None`); the sender stops at the
+//!   deadline, so the link is free from `min(deadline, end of the last serialization)` on.
+//! * The connection dies when no acknowledgement arrives for `idle_timeout_s` (QUIC idle timeout);
+//!   this also bounds the work on a link that loses every packet.
+//!
+//! Approximations: gaps while the sender waits for a probe timeout are not used by the next
+//! message in the queue (one stream at a time); the RTT estimator sees each sample when the packet
+//! is sent rather than when its acknowledgement arrives.
+
+use crate::rng::SimRng;
+use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
+use crate::trace::{Trace, TraceCursor, TraceError, TraceFormat};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+use thiserror::Error;
+
+/// Packets acknowledged after a lost one before it is declared lost (RFC 9002 kPacketThreshold).
+pub const PACKET_THRESHOLD: u64 = 3;
+/// Timer granularity of the RTT estimator (RFC 9002 kGranularity).
+pub const TIMER_GRANULARITY: SimDuration = SimDuration::from_millis(1);
+
+fn default_mtu() -> u32 {
+    1500
+}
+
+fn default_idle_timeout_s() -> f64 {
+    30.0
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn is_default_mtu(mtu: &u32) -> bool {
+    *mtu == default_mtu()
+}
+
+/// A link capacity in bits per second. In TOML: a number of bits/s (`100e6`) or a string with a
+/// unit (`"100mbit"`, `"1.5 Gbit/s"`, `"500kbps"`; units bit, kbit, mbit, gbit, tbit and their
+/// `bps` spellings, case-insensitive, optional `/s`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Bandwidth {
+    bits_per_sec: u64,
+}
+
+/// A bandwidth string or number that could not be understood.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("invalid bandwidth `{input}`: {reason}")]
+pub struct BandwidthParseError {
+    /// The text as given.
+    pub input: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl Bandwidth {
+    /// A bandwidth of `bits_per_sec` (must be positive to be valid in a [`LinkSpec`]).
+    pub const fn from_bits_per_sec(bits_per_sec: u64) -> Bandwidth {
+        Bandwidth { bits_per_sec }
+    }
+
+    /// A bandwidth of `mbit` megabits (10^6 bits) per second.
+    pub const fn from_mbit(mbit: u64) -> Bandwidth {
+        Bandwidth {
+            bits_per_sec: mbit.saturating_mul(1_000_000),
+        }
+    }
+
+    /// Bits per second.
+    pub const fn bits_per_sec(self) -> u64 {
+        self.bits_per_sec
+    }
+
+    fn from_f64(value: f64, input: &str) -> Result<Bandwidth, BandwidthParseError> {
+        if !value.is_finite() || value <= 0.0 {
+            return Err(BandwidthParseError {
+                input: input.to_string(),
+                reason: "must be a positive, finite number of bits per second".into(),
+            });
+        }
+        let rounded = value.round();
+        if rounded < 1.0 || rounded >= u64::MAX as f64 {
+            return Err(BandwidthParseError {
+                input: input.to_string(),
+                reason: "out of range (1 bit/s ..= 1.8e19 bit/s)".into(),
+            });
+        }
+        Ok(Bandwidth {
+            bits_per_sec: rounded as u64,
+        })
+    }
+}
+
+impl FromStr for Bandwidth {
+    type Err = BandwidthParseError;
+
+    fn from_str(input: &str) -> Result<Bandwidth, BandwidthParseError> {
+        let lower = input.trim().to_ascii_lowercase();
+        let text = lower.strip_suffix("/s").unwrap_or(&lower);
+        let split = text
+            .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
+            .unwrap_or(text.len());
+        let (number, unit) = text.split_at(split);
+        let number = number.replace('_', "");
+        let value: f64 = number.parse().map_err(|_| BandwidthParseError {
+            input: input.to_string(),
+            reason: "expected a number followed by a unit such as `100mbit`".into(),
+        })?;
+        let scale = match unit.trim() {
+            "" | "bit" | "bps" => 1.0,
+            "kbit" | "kbps" => 1e3,
+            "mbit" | "mbps" => 1e6,
+            "gbit" | "gbps" => 1e9,
+            "tbit" | "tbps" => 1e12,
+            other => {
+                return Err(BandwidthParseError {
+                    input: input.to_string(),
+                    reason: format!(
+                    "unknown unit `{other}` (use bit, kbit, mbit, gbit, tbit or kbps, mbps, ...)"
+                ),
+                })
+            }
+        };
+        Bandwidth::from_f64(value * scale, input)
+    }
+}
+
+impl fmt::Display for Bandwidth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = self.bits_per_sec as f64;
+        if b >= 1e9 {
+            write!(f, "{}gbit", b / 1e9)
+        } else if b >= 1e6 {
+            write!(f, "{}mbit", b / 1e6)
+        } else if b >= 1e3 {
+            write!(f, "{}kbit", b / 1e3)
+        } else {
+            write!(f, "{}bit", b)
+        }
+    }
+}
+
+impl Serialize for Bandwidth {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_u64(self.bits_per_sec)
+    }
+}
+
+impl<'de> Deserialize<'de> for Bandwidth {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Bandwidth, D::Error> {
+        struct BandwidthVisitor;
+        impl serde::de::Visitor<'_> for BandwidthVisitor {
+            type Value = Bandwidth;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a bandwidth: bits per second, or a string like \"100mbit\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Bandwidth, E> {
+                Bandwidth::from_f64(v as f64, &v.to_string()).map_err(E::custom)
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Bandwidth, E> {
+                Bandwidth::from_f64(v as f64, &v.to_string()).map_err(E::custom)
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Bandwidth, E> {
+                Bandwidth::from_f64(v, &v.to_string()).map_err(E::custom)
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Bandwidth, E> {
+                v.parse().map_err(E::custom)
+            }
+        }
+        deserializer.deserialize_any(BandwidthVisitor)
+    }
+}
+
+/// Gilbert–Elliott bursty loss: a two-state Markov chain (good/bad) stepped once per packet.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GilbertElliottSpec {
+    /// Probability of moving from good to bad, per packet.
+    pub p_good_to_bad: f64,
+    /// Probability of moving from bad to good, per packet.
+    pub p_bad_to_good: f64,
+    /// Loss probability in the good state.
+    #[serde(default)]
+    pub loss_good: f64,
+    /// Loss probability in the bad state.
+    #[serde(default = "default_loss_bad")]
+    pub loss_bad: f64,
+}
+
+fn default_loss_bad() -> f64 {
+    1.0
+}
+
+impl GilbertElliottSpec {
+    /// Long-run fraction of packets in the bad state: `p_gb / (p_gb + p_bg)` (0 if both are 0,
+    /// since the chain starts and stays good).
+    pub fn stationary_bad(&self) -> f64 {
+        let sum = self.p_good_to_bad + self.p_bad_to_good;
+        if sum <= 0.0 {
+            0.0
+        } else {
+            self.p_good_to_bad / sum
+        }
+    }
+
+    /// Long-run loss rate: `π_good · loss_good + π_bad · loss_bad`.
+    pub fn stationary_loss(&self) -> f64 {
+        let bad = self.stationary_bad();
+        (1.0 - bad) * self.loss_good + bad * self.loss_bad
+    }
+}
+
+/// The state of a Gilbert–Elliott chain.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GilbertElliott {
+    spec: GilbertElliottSpec,
+    in_bad_state: bool,
+}
+
+impl GilbertElliott {
+    /// A chain in the good state.
+    pub fn new(spec: GilbertElliottSpec) -> GilbertElliott {
+        GilbertElliott {
+            spec,
+            in_bad_state: false,
+        }
+    }
+
+    /// Whether the chain is in the bad state.
+    pub fn is_bad(&self) -> bool {
+        self.in_bad_state
+    }
+
+    /// Steps the chain for one packet, then decides whether that packet is lost.
+    pub fn next_packet_lost(&mut self, rng: &mut SimRng) -> bool {
+        let switch = if self.in_bad_state {
+            self.spec.p_bad_to_good
+        } else {
+            self.spec.p_good_to_bad
+        };
+        if rng.bernoulli(switch) {
+            self.in_bad_state = !self.in_bad_state;
+        }
+        let loss = if self.in_bad_state {
+            self.spec.loss_bad
+        } else {
+            self.spec.loss_good
+        };
+        rng.bernoulli(loss)
+    }
+}
+
+/// A period during which the link delivers nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutageSpec {
+    /// Start, in seconds of virtual time.
+    pub start_s: f64,
+    /// Length in seconds.
+    pub duration_s: f64,
+}
+
+/// A capacity trace for a link.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TraceSpec {
+    /// The trace file; relative paths are resolved against the scenario file's directory.
+    pub path: PathBuf,
+    /// `"mahimahi"` or `"mbps"`.
+    pub format: TraceFormat,
+    /// Whether to replay the trace in a loop (default `true`, like `mm-link`); without a loop the
+    /// link has no capacity after the trace ends.
+    #[serde(rename = "loop", default = "default_true")]
+    pub looped: bool,
+}
+
+/// Everything a scenario says about one direction of a link. Exactly one of `bandwidth` and
+/// `trace` gives the capacity.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkSpec {
+    /// Constant capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bandwidth: Option<Bandwidth>,
+    /// One-way propagation delay in ms.
+    #[serde(default)]
+    pub latency_ms: f64,
+    /// Extra per-packet delay, uniform in `[0, jitter_ms]`.
+    #[serde(default)]
+    pub jitter_ms: f64,
+    /// I.i.d. packet loss probability in `[0, 1]`.
+    #[serde(default)]
+    pub loss: f64,
+    /// Bursty loss, applied in addition to `loss`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gilbert_elliott: Option<GilbertElliottSpec>,
+    /// Periods with no delivery at all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outages: Vec<OutageSpec>,
+    /// Trace-driven capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceSpec>,
+    /// Largest packet payload in bytes (default 1500).
+    #[serde(default = "default_mtu", skip_serializing_if = "is_default_mtu")]
+    pub mtu: u32,
+    /// The connection is declared dead after this long without an acknowledgement (default 30 s).
+    #[serde(default = "default_idle_timeout_s")]
+    pub idle_timeout_s: f64,
+}
+
+impl LinkSpec {
+    /// A lossless link of constant `bandwidth` and one-way `latency_ms`, everything else default.
+    pub fn constant(bandwidth: Bandwidth, latency_ms: f64) -> LinkSpec {
+        LinkSpec {
+            bandwidth: Some(bandwidth),
+            latency_ms,
+            jitter_ms: 0.0,
+            loss: 0.0,
+            gilbert_elliott: None,
+            outages: Vec::new(),
+            trace: None,
+            mtu: default_mtu(),
+            idle_timeout_s: default_idle_timeout_s(),
+        }
+    }
+
+    /// Checks every field; the error names the field and the bad value.
+    pub fn validate(&self) -> Result<(), LinkSpecError> {
+        self.params().map(|_| ())
+    }
+
+    fn params(&self) -> Result<LinkParams, LinkSpecError> {
+        let invalid = |message: String| Err(LinkSpecError { message });
+        match (&self.bandwidth, &self.trace) {
+            (Some(_), Some(_)) => {
+                return invalid("give either `bandwidth` or `trace`, not both".into())
+            }
+            (None, None) => return invalid("missing capacity: give `bandwidth` or `trace`".into()),
+            (Some(b), None) if b.bits_per_sec() == 0 => {
+                return invalid("bandwidth must be positive, got 0".into())
+            }
+            _ => {}
+        }
+        let Some(latency) = SimDuration::try_from_millis_f64(self.latency_ms) else {
+            return invalid(format!(
+                "latency_ms must be finite and >= 0, got {}",
+                self.latency_ms
+            ));
+        };
+        let Some(jitter) = SimDuration::try_from_millis_f64(self.jitter_ms) else {
+            return invalid(format!(
+                "jitter_ms must be finite and >= 0, got {}",
+                self.jitter_ms
+            ));
+        };
+        let probability = |name: &str, p: f64| {
+            if (0.0..=1.0).contains(&p) {
+                Ok(p)
+            } else {
+                Err(LinkSpecError {
+                    message: format!("{name} must be in [0,1], got {p}"),
+                })
+            }
+        };
+        let loss = probability("loss", self.loss)?;
+        if let Some(ge) = &self.gilbert_elliott {
+            probability("gilbert_elliott.p_good_to_bad", ge.p_good_to_bad)?;
+            probability("gilbert_elliott.p_bad_to_good", ge.p_bad_to_good)?;
+            probability("gilbert_elliott.loss_good", ge.loss_good)?;
+            probability("gilbert_elliott.loss_bad", ge.loss_bad)?;
+        }
+        let mut outages = Vec::with_capacity(self.outages.len());
+        for (i, outage) in self.outages.iter().enumerate() {
+            let Some(start) = SimTime::try_from_secs_f64(outage.start_s) else {
+                return invalid(format!(
+                    "outages[{i}].start_s must be finite and >= 0, got {}",
+                    outage.start_s
+                ));
+            };
+            let duration = match SimDuration::try_from_secs_f64(outage.duration_s) {
+                Some(d) if d > SimDuration::ZERO => d,
+                _ => {
+                    return invalid(format!(
+                        "outages[{i}].duration_s must be finite and > 0, got {}",
+                        outage.duration_s
+                    ))
+                }
+            };
+            outages.push((start, start + duration));
+        }
+        outages.sort_unstable();
+        let mut merged: Vec<(SimTime, SimTime)> = Vec::with_capacity(outages.len());
+        for (start, end) in outages {
+            match merged.last_mut() {
+                Some(last) if start <= last.1 => last.1 = last.1.max(end),
+                _ => merged.push((start, end)),
+            }
+        }
+        if self.mtu == 0 || self.mtu > 65_535 {
+            return invalid(format!("mtu must be in 1..=65535 bytes, got {}", self.mtu));
+        }
+        let idle_timeout = match SimDuration::try_from_secs_f64(self.idle_timeout_s) {
+            Some(d) if d > SimDuration::ZERO => d,
+            _ => {
+                return invalid(format!(
+                    "idle_timeout_s must be finite and > 0, got {}",
+                    self.idle_timeout_s
+                ))
+            }
+        };
+        Ok(LinkParams {
+            latency,
+            jitter,
+            loss,
+            outages: merged,
+            mtu: u64::from(self.mtu),
+            idle_timeout,
+        })
+    }
+}
+
+/// A [`LinkSpec`] field with a bad value; the message names the field and the value.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{message}")]
+pub struct LinkSpecError {
+    /// E.g. `loss must be in [0,1], got 1.5`.
+    pub message: String,
+}
+
+/// Why a [`Link`] could not be built.
+#[derive(Debug, Error)]
+pub enum LinkError {
+    /// The specification is invalid.
+    #[error(transparent)]
+    Spec(#[from] LinkSpecError),
+    /// The trace file could not be loaded.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// The spec names a trace but none was supplied to [`Link::new`].
+    #[error("the link spec names trace {} but no parsed trace was supplied", path.display())]
+    TraceNotSupplied {
+        /// The trace the spec names.
+        path: PathBuf,
+    },
+}
+
+/// Validated, converted link parameters.
+#[derive(Clone, Debug)]
+struct LinkParams {
+    latency: SimDuration,
+    jitter: SimDuration,
+    loss: f64,
+    /// Sorted, merged, half-open `[start, end)` intervals.
+    outages: Vec<(SimTime, SimTime)>,
+    mtu: u64,
+    idle_timeout: SimDuration,
+}
+
+/// Where a link's capacity comes from.
+#[derive(Clone, Debug)]
+enum Capacity {
+    Constant { bits_per_sec: u64 },
+    Trace(Arc<Trace>),
+}
+
+/// RFC 9002 smoothed RTT estimator.
+#[derive(Clone, Copy, Debug)]
+struct RttEstimator {
+    smoothed: SimDuration,
+    variation: SimDuration,
+    /// Lower bound for the probe timeout: `2·latency + jitter`.
+    pto_floor: SimDuration,
+}
+
+impl RttEstimator {
+    fn new(latency: SimDuration, jitter: SimDuration) -> RttEstimator {
+        let initial = (latency * 2 + jitter).max(TIMER_GRANULARITY);
+        RttEstimator {
+            smoothed: initial,
+            variation: SimDuration(initial.as_nanos() / 2),
+            pto_floor: latency * 2 + jitter,
+        }
+    }
+
+    fn on_sample(&mut self, sample: SimDuration) {
+        let deviation = self.smoothed.as_nanos().abs_diff(sample.as_nanos());
+        self.variation = SimDuration((3 * self.variation.as_nanos() + deviation) / 4);
+        self.smoothed = SimDuration((7 * self.smoothed.as_nanos() + sample.as_nanos()) / 8);
+    }
+
+    fn pto(&self) -> SimDuration {
+        let rto = self.smoothed + (self.variation * 4).max(TIMER_GRANULARITY);
+        rto.max(self.pto_floor)
+    }
+}
+
+/// Why a transfer was not delivered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TransferFailure {
+    /// The last packet could not arrive by the deadline; the sender gave up at the deadline.
+    DeadlineMissed,
+    /// No acknowledgement for `idle_timeout_s`: the connection died.
+    IdleTimeout,
+    /// A non-looped trace ended before the message was through.
+    TraceExhausted,
+}
+
+/// The outcome of sending one message over a [`Link`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Transfer {
+    /// When the message was handed to the link.
+    pub submitted_at: SimTime,
+    /// When its first packet could start (after the messages queued before it).
+    pub started_at: SimTime,
+    /// When its last packet arrived; `None` if it was not delivered (by the deadline).
+    pub delivered_at: Option<SimTime>,
+    /// Why it was not delivered; `None` when delivered.
+    pub failure: Option<TransferFailure>,
+    /// When the link became free for the next message.
+    pub link_free_at: SimTime,
+    /// Message size.
+    pub bytes: u64,
+    /// Payload bytes serialized, retransmissions included.
+    pub bytes_on_wire: u64,
+    /// Packets the message was cut into.
+    pub packets: u64,
+    /// Packets sent, retransmissions included.
+    pub packets_sent: u64,
+    /// Packets lost (each loss of a retransmitted packet counts again).
+    pub packets_lost: u64,
+    /// Retransmitted packets.
+    pub retransmissions: u64,
+}
+
+impl Transfer {
+    /// Whether the message arrived (by its deadline, if it had one).
+    pub fn is_delivered(&self) -> bool {
+        self.delivered_at.is_some()
+    }
+
+    /// Time from submission to delivery.
+    pub fn completion_time(&self) -> Option<SimDuration> {
+        self.delivered_at.map(|d| d - self.submitted_at)
+    }
+}
+
+/// Totals over every transfer a link has carried.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkStats {
+    /// Messages submitted.
+    pub transfers: u64,
+    /// Messages delivered.
+    pub delivered: u64,
+    /// Payload bytes of delivered messages.
+    pub bytes_delivered: u64,
+    /// Bytes serialized, retransmissions included.
+    pub bytes_on_wire: u64,
+    /// Packets sent, retransmissions included.
+    pub packets_sent: u64,
+    /// Packets lost.
+    pub packets_lost: u64,
+}
+
+/// Reusable per-transfer buffers (kept in the link so a transfer does not allocate per packet).
+#[derive(Clone, Debug, Default)]
+struct TransferScratch {
+    /// Times each packet of the current message has been sent.
+    attempts: Vec<u32>,
+    /// Per packet: the PTO backoff exponent of its latest loss.
+    backoff_exponent: Vec<u32>,
+    /// Per packet: the number of deliveries (of any packet) when it was last lost.
+    deliveries_at_loss: Vec<u64>,
+    /// Retransmissions scheduled: (ready time, packet, attempt that was lost).
+    retransmit: BinaryHeap<Reverse<(SimTime, u64, u32)>>,
+    /// Lost packets waiting for `PACKET_THRESHOLD` later deliveries:
+    /// (deliveries needed, packet, attempt that was lost).
+    awaiting_threshold: VecDeque<(u64, u64, u32)>,
+}
+
+/// One direction of a link: a FIFO sender over a capacity model with loss, delay and outages.
+#[derive(Clone, Debug)]
+pub struct Link {
+    spec: LinkSpec,
+    params: LinkParams,
+    capacity: Capacity,
+    gilbert_elliott: Option<GilbertElliott>,
+    loss_rng: SimRng,
+    jitter_rng: SimRng,
+    rtt: RttEstimator,
+    busy_until: SimTime,
+    cursor: TraceCursor,
+    stats: LinkStats,
+    scratch: TransferScratch,
+}
+
+impl Link {
+    /// Builds a link from a validated spec. `trace` must be the parsed trace when the spec names
+    /// one (so several links can share one parsed file); `rng` should be a fork dedicated to this
+    /// link (e.g. `root.fork("link:edge-3.up")`).
+    pub fn new(
+        spec: &LinkSpec,
+        trace: Option<Arc<Trace>>,
+        rng: &SimRng,
+    ) -> Result<Link, LinkError> {
+        let params = spec.params()?;
+        let capacity = match (&spec.bandwidth, &spec.trace) {
+            (Some(b), _) => Capacity::Constant {
+                bits_per_sec: b.bits_per_sec(),
+            },
+            (None, Some(trace_spec)) => match trace {
+                Some(t) => Capacity::Trace(t),
+                None => {
+                    return Err(LinkError::TraceNotSupplied {
+                        path: trace_spec.path.clone(),
+                    })
+                }
+            },
+            (None, None) => unreachable!("params() requires a capacity"),
+        };
+        Ok(Link {
+            rtt: RttEstimator::new(params.latency, params.jitter),
+            gilbert_elliott: spec.gilbert_elliott.map(GilbertElliott::new),
+            loss_rng: rng.fork("loss"),
+            jitter_rng: rng.fork("jitter"),
+            spec: spec.clone(),
+            params,
+            capacity,
+            busy_until: SimTime::ZERO,
+            cursor: TraceCursor::default(),
+            stats: LinkStats::default(),
+            scratch: TransferScratch::default(),
+        })
+    }
+
+    /// Builds a link, loading its trace (if any) relative to `base_dir`.
+    pub fn from_spec(spec: &LinkSpec, base_dir: &Path, rng: &SimRng) -> Result<Link, LinkError> {
+        spec.validate()?;
+        let trace = match &spec.trace {
+            Some(t) => Some(Arc::new(Trace::load(
+                &base_dir.join(&t.path),
+                t.format,
+                t.looped,
+            )?)),
+            None => None,
+        };
+        Link::new(spec, trace, rng)
+    }
+
+    /// The spec the link was built from.
+    pub fn spec(&self) -> &LinkSpec {
+        &self.spec
+    }
+
+    /// The trace driving the link's capacity, if any.
+    pub fn trace(&self) -> Option<&Arc<Trace>> {
+        match &self.capacity {
+            Capacity::Trace(t) => Some(t),
+            Capacity::Constant { .. } => None,
+        }
+    }
+
+    /// When the link can start serializing the next message.
+    pub fn available_at(&self) -> SimTime {
+        self.busy_until
+    }
+
+    /// The current probe timeout (before backoff).
+    pub fn pto(&self) -> SimDuration {
+        self.rtt.pto()
+    }
+
+    /// Totals over all transfers so far.
+    pub fn stats(&self) -> LinkStats {
+        self.stats
+    }
+
+    /// Whether `t` falls inside an outage.
+    pub fn in_outage(&self, t: SimTime) -> bool {
+        let outages = &self.params.outages;
+        let i = outages.partition_point(|&(_, end)| end <= t);
+        i < outages.len() && outages[i].0 <= t
+    }
+
+    /// Serialization of one packet; `None` when a non-looped trace has ended.
+    fn transmit(&mut self, start: SimTime, bytes: u64) -> Option<SimTime> {
+        match &self.capacity {
+            Capacity::Constant { bits_per_sec } => {
+                let nanos = (u128::from(bytes) * 8 * u128::from(NANOS_PER_SEC))
+                    .div_ceil(u128::from(*bits_per_sec));
+                Some(start + SimDuration(u64::try_from(nanos).unwrap_or(u64::MAX)))
+            }
+            Capacity::Trace(trace) => trace.transmit(&mut self.cursor, start, bytes),
+        }
+    }
+
+    /// Random loss decision for one packet (always draws, so outages do not shift the stream).
+    fn random_loss(&mut self) -> bool {
+        let iid = self.loss_rng.bernoulli(self.params.loss);
+        let bursty = match &mut self.gilbert_elliott {
+            Some(ge) => ge.next_packet_lost(&mut self.loss_rng),
+            None => false,
+        };
+        iid || bursty
+    }
+
+    fn jitter_sample(&mut self) -> SimDuration {
+        SimDuration(
+            self.jitter_rng
+                .below_inclusive(self.params.jitter.as_nanos()),
+        )
+    }
+
+    /// Sends a message of `bytes` submitted at `now`, queued behind earlier messages, and returns
+    /// its outcome. With a `deadline`, a message not delivered by it is a failure and stops
+    /// occupying the link at the deadline.
+    pub fn send(&mut self, now: SimTime, bytes: u64, deadline: Option<SimTime>) -> Transfer {
+        let start = now.max(self.busy_until);
+        let mtu = self.params.mtu;
+        let packets = bytes.div_ceil(mtu).max(1);
+        let packet_size = |index: u64| (bytes - index * mtu).min(mtu);
+
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.attempts.clear();
+        let packet_slots = usize::try_from(packets).unwrap_or(usize::MAX);
+        scratch.attempts.resize(packet_slots, 0);
+        scratch.backoff_exponent.clear();
+        scratch.backoff_exponent.resize(packet_slots, 0);
+        scratch.deliveries_at_loss.clear();
+        scratch.deliveries_at_loss.resize(packet_slots, 0);
+        scratch.retransmit.clear();
+        scratch.awaiting_threshold.clear();
+
+        let mut t = start;
+        let mut next_new = 0u64;
+        let mut deliveries = 0u64;
+        let mut last_arrival = start;
+        let mut last_ack = start;
+        let mut last_send_end: Option<SimTime> = None;
+        let mut failure = None;
+        let (mut bytes_on_wire, mut packets_sent, mut packets_lost, mut retransmissions) =
+            (0u64, 0u64, 0u64, 0u64);
+
+        loop {
+            // Drop retransmission entries made stale by a later send of the same packet.
+            while let Some(&Reverse((_, packet, attempt))) = scratch.retransmit.peek() {
+                if scratch.attempts[packet as usize] == attempt {
+                    break;
+                }
+                scratch.retransmit.pop();
+            }
+            let next_retransmit = scratch.retransmit.peek().map(|r| r.0);
+            let (packet, is_retransmission) = match next_retransmit {
+                Some((ready, packet, _)) if ready <= t => {
+                    scratch.retransmit.pop();
+                    (packet, true)
+                }
+                _ if next_new < packets => {
+                    next_new += 1;
+                    (next_new - 1, false)
+                }
+                Some((ready, _, _)) => {
+                    // Nothing to send until the next timer.
+                    t = ready;
+                    if deadline.is_some_and(|d| t >= d) {
+                        failure = Some(TransferFailure::DeadlineMissed);
+                        break;
+                    }
+                    if t.saturating_since(last_ack) > self.params.idle_timeout {
+                        failure = Some(TransferFailure::IdleTimeout);
+                        break;
+                    }
+                    continue;
+                }
+                None => break, // every packet delivered
+            };
+            if deadline.is_some_and(|d| t >= d) {
+                failure = Some(TransferFailure::DeadlineMissed);
+                break;
+            }
+            if t.saturating_since(last_ack) > self.params.idle_timeout {
+                failure = Some(TransferFailure::IdleTimeout);
+                break;
+            }
+
+            let size = packet_size(packet);
+            let Some(end) = self.transmit(t, size) else {
+                failure = Some(TransferFailure::TraceExhausted);
+                break;
+            };
+            scratch.attempts[packet as usize] += 1;
+            let attempt = scratch.attempts[packet as usize];
+            packets_sent += 1;
+            bytes_on_wire += size;
+            retransmissions += u64::from(is_retransmission);
+            last_send_end = Some(end);
+
+            let randomly_lost = self.random_loss();
+            let jitter = self.jitter_sample();
+            if randomly_lost || self.in_outage(end) {
+                packets_lost += 1;
+                // Back off only while nothing at all gets through (as QUIC resets its PTO count
+                // on any acknowledgement).
+                let slot = packet as usize;
+                scratch.backoff_exponent[slot] =
+                    if attempt == 1 || deliveries > scratch.deliveries_at_loss[slot] {
+                        0
+                    } else {
+                        (scratch.backoff_exponent[slot] + 1).min(30)
+                    };
+                scratch.deliveries_at_loss[slot] = deliveries;
+                let backoff = 1u64 << scratch.backoff_exponent[slot];
+                let pto_at = end + self.rtt.pto() * backoff;
+                scratch.retransmit.push(Reverse((pto_at, packet, attempt)));
+                scratch.awaiting_threshold.push_back((
+                    deliveries + PACKET_THRESHOLD,
+                    packet,
+                    attempt,
+                ));
+            } else {
+                let arrival = end + self.params.latency + jitter;
+                last_arrival = last_arrival.max(arrival);
+                let ack = arrival + self.params.latency;
+                last_ack = last_ack.max(ack);
+                self.rtt.on_sample(ack - t);
+                deliveries += 1;
+                while let Some(&(needed, lost_packet, lost_attempt)) =
+                    scratch.awaiting_threshold.front()
+                {
+                    if needed > deliveries {
+                        break;
+                    }
+                    scratch.awaiting_threshold.pop_front();
+                    if scratch.attempts[lost_packet as usize] == lost_attempt {
+                        scratch
+                            .retransmit
+                            .push(Reverse((ack, lost_packet, lost_attempt)));
+                    }
+                }
+            }
+            t = end;
+        }
+
+        let delivered_at = match (failure, deadline) {
+            (None, Some(d)) if last_arrival > d => {
+                failure = Some(TransferFailure::DeadlineMissed);
+                None
+            }
+            (None, _) => Some(last_arrival),
+            (Some(_), _) => None,
+        };
+        if let Some(end) = last_send_end {
+            self.busy_until = match (failure, deadline) {
+                (Some(TransferFailure::DeadlineMissed), Some(d)) if end > d => {
+                    if let Capacity::Trace(trace) = &self.capacity {
+                        trace.rewind_cursor(&mut self.cursor, d);
+                    }
+                    d
+                }
+                _ => end,
+            };
+        }
+        self.scratch = scratch;
+
+        self.stats.transfers += 1;
+        if delivered_at.is_some() {
+            self.stats.delivered += 1;
+            self.stats.bytes_delivered += bytes;
+        }
+        self.stats.bytes_on_wire += bytes_on_wire;
+        self.stats.packets_sent += packets_sent;
+        self.stats.packets_lost += packets_lost;
+        Transfer {
+            submitted_at: now,
+            started_at: start,
+            delivered_at,
+            failure,
+            link_free_at: self.busy_until.max(start),
+            bytes,
+            bytes_on_wire,
+            packets,
+            packets_sent,
+            packets_lost,
+            retransmissions,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const MB: u64 = 1_000_000;
+
+    fn link(spec: &LinkSpec, seed: u64) -> Link {
+        Link::new(spec, None, &SimRng::new(seed).fork("link:test")).unwrap()
+    }
+
+    fn fast_link() -> LinkSpec {
+        LinkSpec::constant(Bandwidth::from_mbit(100), 10.0)
+    }
+
+    fn ms(v: u64) -> SimTime {
+        SimTime::from_millis(v)
+    }
+
+    #[test]
+    fn bandwidth_strings_and_numbers() {
+        assert_eq!(
+            "100mbit".parse::<Bandwidth>().unwrap().bits_per_sec(),
+            100_000_000
+        );
+        assert_eq!(
+            "1.5 Gbit/s".parse::<Bandwidth>().unwrap().bits_per_sec(),
+            1_500_000_000
+        );
+        assert_eq!(
+            "500kbps".parse::<Bandwidth>().unwrap().bits_per_sec(),
+            500_000
+        );
+        assert_eq!("2_000".parse::<Bandwidth>().unwrap().bits_per_sec(), 2_000);
+        assert!("fast".parse::<Bandwidth>().is_err());
+        assert!("10 furlongs".parse::<Bandwidth>().is_err());
+        assert!("0mbit".parse::<Bandwidth>().is_err());
+        let spec: LinkSpec = toml::from_str("bandwidth = 12500000\nlatency_ms = 3").unwrap();
+        assert_eq!(
+            spec.bandwidth,
+            Some(Bandwidth::from_bits_per_sec(12_500_000))
+        );
+        let spec: LinkSpec = toml::from_str("bandwidth = 2.5e6").unwrap();
+        assert_eq!(
+            spec.bandwidth,
+            Some(Bandwidth::from_bits_per_sec(2_500_000))
+        );
+        assert!(toml::from_str::<LinkSpec>("bandwidth = -5").is_err());
+        assert_eq!(Bandwidth::from_mbit(100).to_string(), "100mbit");
+    }
+
+    #[test]
+    fn spec_round_trips_through_toml() {
+        let mut spec = fast_link();
+        spec.loss = 0.01;
+        spec.gilbert_elliott = Some(GilbertElliottSpec {
+            p_good_to_bad: 0.01,
+            p_bad_to_good: 0.2,
+            loss_good: 0.0,
+            loss_bad: 0.5,
+        });
+        spec.outages.push(OutageSpec {
+            start_s: 1.0,
+            duration_s: 0.5,
+        });
+        let text = toml::to_string(&spec).unwrap();
+        assert_eq!(toml::from_str::<LinkSpec>(&text).unwrap(), spec);
+    }
+
+    #[test]
+    fn spec_validation_names_field_and_value() {
+        let check = |edit: &dyn Fn(&mut LinkSpec), expected: &str| {
+            let mut spec = fast_link();
+            edit(&mut spec);
+            let err = spec.validate().unwrap_err();
+            assert_eq!(err.to_string(), expected);
+        };
+        check(&|s| s.loss = 1.5, "loss must be in [0,1], got 1.5");
+        check(
+            &|s| s.latency_ms = -1.0,
+            "latency_ms must be finite and >= 0, got -1",
+        );
+        check(
+            &|s| s.jitter_ms = f64::NAN,
+            "jitter_ms must be finite and >= 0, got NaN",
+        );
+        check(&|s| s.mtu = 0, "mtu must be in 1..=65535 bytes, got 0");
+        check(
+            &|s| s.bandwidth = None,
+            "missing capacity: give `bandwidth` or `trace`",
+        );
+        check(
+            &|s| {
+                s.trace = Some(TraceSpec {
+                    path: "x".into(),
+                    format: TraceFormat::Mahimahi,
+                    looped: true,
+                })
+            },
+            "give either `bandwidth` or `trace`, not both",
+        );
+        check(
+            &|s| {
+                s.outages.push(OutageSpec {
+                    start_s: 1.0,
+                    duration_s: 0.0,
+                })
+            },
+            "outages[0].duration_s must be finite and > 0, got 0",
+        );
+        check(
+            &|s| {
+                s.gilbert_elliott = Some(GilbertElliottSpec {
+                    p_good_to_bad: 2.0,
+                    p_bad_to_good: 0.1,
+                    loss_good: 0.0,
+                    loss_bad: 1.0,
+                })
+            },
+            "gilbert_elliott.p_good_to_bad must be in [0,1], got 2",
+        );
+        let err = toml::from_str::<LinkSpec>("bandwidth = 1000\nlatncy_ms = 3").unwrap_err();
+        assert!(
+            err.to_string().contains("unknown field `latncy_ms`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn constant_link_one_megabyte() {
+        let mut l = link(&fast_link(), 1);
+        let t = l.send(SimTime::ZERO, MB, None);
+        // 8e6 bits at 1e8 bit/s = 80 ms, plus 10 ms latency; no loss so no retransmission.
+        assert_eq!(t.delivered_at, Some(ms(90)));
+        assert_eq!(t.packets, 667);
+        assert_eq!(t.bytes_on_wire, MB);
+        assert_eq!((t.packets_lost, t.retransmissions), (0, 0));
+        assert_eq!(l.available_at(), ms(80));
+        // A message submitted while the link is busy waits (FIFO).
+        let second = l.send(ms(10), MB, None);
+        assert_eq!(second.started_at, ms(80));
+        assert_eq!(second.delivered_at, Some(ms(170)));
+        // After the link went idle, a message starts at once.
+        let third = l.send(ms(500), 1500, None);
+        assert_eq!(
+            third.delivered_at,
+            Some(ms(510) + SimDuration::from_micros(120))
+        );
+    }
+
+    #[test]
+    fn jitter_adds_bounded_non_negative_delay() {
+        let mut spec = fast_link();
+        spec.jitter_ms = 5.0;
+        let mut l = link(&spec, 2);
+        let mut saw_positive_jitter = false;
+        for i in 0..50 {
+            let now = SimTime::from_secs(i);
+            let t = l.send(now, 1500, None);
+            let d = t.delivered_at.unwrap() - now;
+            let base = SimDuration::from_millis(10) + SimDuration::from_micros(120);
+            assert!(d >= base && d <= base + SimDuration::from_millis(5), "{d}");
+            saw_positive_jitter |= d > base;
+        }
+        assert!(saw_positive_jitter);
+    }
+
+    fn lossy_mean_ms(loss: f64, seeds: u64) -> (f64, f64) {
+        let mut spec = fast_link();
+        spec.loss = loss;
+        let mut total = 0.0;
+        let mut worst: f64 = 0.0;
+        for seed in 0..seeds {
+            let mut l = link(&spec, seed);
+            let t = l.send(SimTime::ZERO, MB, None);
+            let done = t
+                .delivered_at
+                .expect("no deadline, so it must arrive")
+                .as_millis_f64();
+            assert!(t.bytes_on_wire > MB && t.retransmissions >= t.packets_lost.min(1));
+            total += done;
+            worst = worst.max(done);
+        }
+        (total / seeds as f64, worst)
+    }
+
+    #[test]
+    fn five_percent_loss_costs_plausible_time() {
+        let (mean, worst) = lossy_mean_ms(0.05, 200);
+        // Lossless is exactly 90 ms. Retransmitting ~5% more data plus a tail-loss recovery of
+        // about one RTT gives ~110-130 ms; a naive stop-and-wait would be far above 2x.
+        assert!(mean > 95.0 && mean < 180.0, "mean {mean} ms");
+        // Rare runs lose the same tail packet several times in a row (PTO backoff).
+        assert!(worst < 1000.0, "worst {worst} ms");
+    }
+
+    #[test]
+    fn same_seed_same_transfers_different_seed_differs() {
+        let mut spec = fast_link();
+        spec.loss = 0.03;
+        spec.jitter_ms = 2.0;
+        spec.gilbert_elliott = Some(GilbertElliottSpec {
+            p_good_to_bad: 0.01,
+            p_bad_to_good: 0.3,
+            loss_good: 0.0,
+            loss_bad: 0.6,
+        });
+        let run = |seed: u64| {
+            let mut l = link(&spec, seed);
+            (0..20u64)
+                .map(|i| l.send(ms(i * 40), 200_000 + i * 1000, Some(ms(i * 40 + 200))))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(5), run(5));
+        assert_ne!(run(5), run(6));
+    }
+
+    #[test]
+    fn outage_delays_transfer_past_its_end() {
+        let mut spec = fast_link();
+        spec.outages.push(OutageSpec {
+            start_s: 0.05,
+            duration_s: 0.5,
+        });
+        let mut l = link(&spec, 3);
+        let t = l.send(SimTime::ZERO, MB, None);
+        let done = t.delivered_at.unwrap();
+        assert!(done > ms(550), "{done}");
+        // Backoff makes recovery lag the end of the outage, but not by seconds.
+        assert!(done < ms(1500), "{done}");
+        assert!(t.packets_lost > 0 && t.retransmissions >= t.packets_lost);
+        // A message submitted inside the outage also completes after it.
+        let inside = link(&spec, 3).send(ms(300), 100_000, None);
+        assert!(inside.delivered_at.unwrap() > ms(550));
+        // A message well before the outage is untouched.
+        let before = link(&spec, 3).send(SimTime::ZERO, 100_000, None);
+        assert_eq!(before.delivered_at, Some(ms(18)));
+    }
+
+    #[test]
+    fn deadline_miss_returns_none_and_frees_link_at_deadline() {
+        let mut l = link(&fast_link(), 4);
+        let t = l.send(SimTime::ZERO, MB, Some(ms(50)));
+        assert_eq!(t.delivered_at, None);
+        assert_eq!(t.failure, Some(TransferFailure::DeadlineMissed));
+        assert_eq!(l.available_at(), ms(50));
+        assert_eq!(t.link_free_at, ms(50));
+        // The next message starts at the deadline.
+        let next = l.send(SimTime::ZERO, MB, Some(ms(200)));
+        assert_eq!(next.started_at, ms(50));
+        assert_eq!(next.delivered_at, Some(ms(140)));
+        // Sent in time but arriving late (latency pushes it past the deadline): a miss, and the
+        // link is free when the last packet left.
+        let mut l = link(&fast_link(), 4);
+        let late = l.send(SimTime::ZERO, MB, Some(ms(85)));
+        assert_eq!(late.delivered_at, None);
+        assert_eq!(l.available_at(), ms(80));
+        // A deadline that has passed before the message could start: nothing is sent.
+        let expired = l.send(SimTime::ZERO, MB, Some(ms(70)));
+        assert_eq!((expired.packets_sent, expired.delivered_at), (0, None));
+        assert_eq!(l.available_at(), ms(80));
+    }
+
+    #[test]
+    fn total_loss_ends_with_idle_timeout() {
+        let mut spec = fast_link();
+        spec.loss = 1.0;
+        spec.idle_timeout_s = 2.0;
+        let mut l = link(&spec, 5);
+        let t = l.send(SimTime::ZERO, 30_000, None);
+        assert_eq!(t.failure, Some(TransferFailure::IdleTimeout));
+        assert_eq!(t.delivered_at, None);
+        assert!(t.retransmissions > 0);
+    }
+
+    #[test]
+    fn gilbert_elliott_long_run_loss_matches_stationary() {
+        let ge = GilbertElliottSpec {
+            p_good_to_bad: 0.02,
+            p_bad_to_good: 0.2,
+            loss_good: 0.01,
+            loss_bad: 0.5,
+        };
+        let expected = ge.stationary_loss();
+        assert!((expected - (10.0 / 11.0 * 0.01 + 1.0 / 11.0 * 0.5)).abs() < 1e-12);
+        let mut spec = LinkSpec::constant(Bandwidth::from_mbit(10_000), 1.0);
+        spec.gilbert_elliott = Some(ge);
+        let mut l = link(&spec, 6);
+        for i in 0..100 {
+            l.send(SimTime::from_secs(i), 3 * MB, None);
+        }
+        let stats = l.stats();
+        let rate = stats.packets_lost as f64 / stats.packets_sent as f64;
+        assert!(stats.packets_sent > 200_000);
+        assert!(
+            (rate - expected).abs() < 0.008,
+            "rate {rate}, expected {expected}"
+        );
+
+        // Losses are bursty: after a loss, the next packet is lost far more often.
+        let mut chain = GilbertElliott::new(ge);
+        let mut rng = SimRng::new(7);
+        let (mut after_loss, mut lost_after_loss, mut lost_total) = (0u32, 0u32, 0u32);
+        let mut previous = false;
+        for _ in 0..200_000 {
+            let lost = chain.next_packet_lost(&mut rng);
+            if previous {
+                after_loss += 1;
+                lost_after_loss += u32::from(lost);
+            }
+            lost_total += u32::from(lost);
+            previous = lost;
+        }
+        let conditional = f64::from(lost_after_loss) / f64::from(after_loss);
+        let unconditional = f64::from(lost_total) / 200_000.0;
+        assert!(
+            conditional > 3.0 * unconditional,
+            "{conditional} vs {unconditional}"
+        );
+    }
+
+    /// Sends `chunk`-byte messages back to back from t = 0 and returns the bytes delivered by
+    /// `horizon` (inclusive).
+    fn bytes_delivered_by(l: &mut Link, horizon: SimTime, chunk: u64) -> u64 {
+        let mut delivered = 0;
+        let mut now = SimTime::ZERO;
+        loop {
+            let t = l.send(now, chunk, None);
+            match t.delivered_at {
+                Some(at) if at <= horizon => delivered += chunk,
+                _ => return delivered,
+            }
+            now = l.available_at();
+        }
+    }
+
+    fn trace_link(path: &Path, format: TraceFormat) -> Link {
+        let spec = LinkSpec {
+            bandwidth: None,
+            trace: Some(TraceSpec {
+                path: path.to_path_buf(),
+                format,
+                looped: true,
+            }),
+            ..LinkSpec::constant(Bandwidth::from_mbit(1), 0.0)
+        };
+        Link::from_spec(&spec, Path::new("/"), &SimRng::new(8)).unwrap()
+    }
+
+    fn assert_replay_delivers_trace_bytes(path: &Path, format: TraceFormat, chunk: u64) {
+        let mut l = trace_link(path, format);
+        let trace = l.trace().unwrap().clone();
+        let horizon = SimTime::ZERO + trace.period();
+        let expected = trace.bytes_per_period();
+        let delivered = bytes_delivered_by(&mut l, horizon, chunk);
+        let ratio = delivered as f64 / expected as f64;
+        assert!(
+            (0.99..=1.0).contains(&ratio),
+            "{}: delivered {delivered} of {expected} bytes ({ratio})",
+            path.display()
+        );
+    }
+
+    fn write_temp(name: &str, text: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!("simnet-{}-{name}", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn synthetic_mahimahi_replay_delivers_trace_bytes() {
+        // 2 s trace: bursts of 1..4 opportunities per ms with gaps (an uneven cellular link).
+        let mut text = String::new();
+        for ms in 0..=2000u32 {
+            let opportunities = match ms % 10 {
+                0..=2 => 0,
+                3 | 4 => 1,
+                5..=7 => 2,
+                _ => 4,
+            };
+            for _ in 0..opportunities {
+                text.push_str(&format!("{ms}\n"));
+            }
+        }
+        let path = write_temp("synthetic.up", &text);
+        assert_replay_delivers_trace_bytes(&path, TraceFormat::Mahimahi, 15_000);
+        // Without the loop, the link dies at the end of the trace.
+        let spec = LinkSpec {
+            bandwidth: None,
+            trace: Some(TraceSpec {
+                path: path.clone(),
+                format: TraceFormat::Mahimahi,
+                looped: false,
+            }),
+            ..fast_link()
+        };
+        let mut l = Link::from_spec(&spec, Path::new("/"), &SimRng::new(1)).unwrap();
+        let t = l.send(SimTime::from_secs(1), 100 * MB, None);
+        assert_eq!(t.failure, Some(TransferFailure::TraceExhausted));
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn synthetic_mbps_replay_delivers_trace_bytes() {
+        let text = "0.0\t4.0\n0.5\t0.0\n1.25\t12.5\n2.0\t1.0\n3.5  8.0\n4.0  2.0\n";
+        let path = write_temp("synthetic.mbps", text);
+        assert_replay_delivers_trace_bytes(&path, TraceFormat::Mbps, 15_000);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn deadline_miss_on_trace_link_gives_back_capacity() {
+        let text: String = (0..=100u32).map(|ms| format!("{ms}\n")).collect();
+        let path = write_temp("deadline.up", &text);
+        let mut l = trace_link(&path, TraceFormat::Mahimahi);
+        // One opportunity per ms: 100 packets take 100 ms; the deadline cuts at 40 ms.
+        let t = l.send(SimTime::ZERO, 150_000, Some(ms(40)));
+        assert_eq!(t.failure, Some(TransferFailure::DeadlineMissed));
+        assert_eq!(l.available_at(), ms(40));
+        // The next single packet uses the opportunity after the deadline, not one after 100 ms.
+        // (The opportunity at 40 ms itself carried the last packet sent before the deadline.)
+        let next = l.send(SimTime::ZERO, 1500, None);
+        assert_eq!(next.delivered_at, Some(ms(41)));
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn real_trace_replays_deliver_trace_bytes_when_present() {
+        let dir = Path::new("/work/shared/data/traces");
+        let local = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/data/traces"
+        ));
+        let dir = if local.is_dir() { local } else { dir };
+        let cases = [
+            ("ATT-LTE-driving-2016.up", TraceFormat::Mahimahi),
+            ("ATT-LTE-driving-2016.down", TraceFormat::Mahimahi),
+            ("Verizon-LTE-driving.up", TraceFormat::Mahimahi),
+            ("Verizon-LTE-driving.down", TraceFormat::Mahimahi),
+            ("norway_bus_1", TraceFormat::Mbps),
+            ("trace_207336_http---www.amazon.com", TraceFormat::Mbps),
+        ];
+        for (file, format) in cases {
+            let path = dir.join(file);
+            if !path.is_file() {
+                eprintln!("skipping {}: not present", path.display());
+                continue;
+            }
+            assert_replay_delivers_trace_bytes(&path, format, 150_000);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn transfers_respect_physical_bounds(
+            seed in 0u64..1000,
+            mbit in 1u64..1000,
+            latency_ms in 0.0f64..50.0,
+            jitter_ms in 0.0f64..10.0,
+            loss in 0.0f64..0.3,
+            mtu in 200u32..9000,
+            sizes in proptest::collection::vec((0u64..300_000, 0u64..200), 1..6),
+        ) {
+            let spec = LinkSpec {
+                jitter_ms,
+                loss,
+                mtu,
+                ..LinkSpec::constant(Bandwidth::from_mbit(mbit), latency_ms)
+            };
+            let latency = SimDuration::try_from_millis_f64(latency_ms).unwrap();
+            let mut l = link(&spec, seed);
+            let mut now = SimTime::ZERO;
+            for (bytes, gap_ms) in sizes {
+                now += SimDuration::from_millis(gap_ms);
+                let t = l.send(now, bytes, None);
+                prop_assert!(t.bytes_on_wire >= bytes);
+                prop_assert_eq!(t.packets_sent, t.packets + t.retransmissions);
+                let at = t.delivered_at.expect("no deadline and loss < 1");
+                prop_assert!(at >= now + latency);
+                prop_assert!(t.link_free_at >= t.started_at && t.started_at >= now);
+            }
+        }
+    }
+}
