@@ -55,6 +55,10 @@ pub struct TrainArgs {
     /// DreamDDP schedule: profiled (DFS over measured backward and communication times) or equal.
     #[arg(long)]
     pub schedule: Option<String>,
+    /// DreamDDP bubble filling: extra syncs where the modelled link would otherwise idle
+    /// (costs bytes; off by default).
+    #[arg(long)]
+    pub bubble_fill: bool,
     /// Per-layer period overrides, e.g. `head=1,fc1=8`.
     #[arg(long)]
     pub layer_period: Option<String>,
@@ -111,6 +115,7 @@ pub struct TrainFile {
     strategy: Option<String>,
     period: Option<u64>,
     schedule: Option<String>,
+    bubble_fill: Option<bool>,
     layer_period: Option<String>,
     steps: Option<u64>,
     batch: Option<usize>,
@@ -142,6 +147,7 @@ impl TrainArgs {
             warmup, optimizer, link, seed, eval_every, eval_limit, strategies, out
         );
         self.compare |= f.compare.unwrap_or(false);
+        self.bubble_fill |= f.bubble_fill.unwrap_or(false);
         Ok(self)
     }
 }

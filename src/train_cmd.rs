@@ -23,6 +23,7 @@ pub struct Resolved {
     pub period: u64,
     pub schedule: ScheduleKind,
     pub overrides: Vec<(String, u64)>,
+    pub bubble_fill: bool,
     pub link_spec: String,
 }
 
@@ -89,7 +90,7 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         eval_limit: args.eval_limit,
     };
     let period = args.period.unwrap_or(4);
-    Ok(Resolved { task, cfg, period, schedule, overrides, link_spec })
+    Ok(Resolved { task, cfg, period, schedule, overrides, bubble_fill: args.bubble_fill, link_spec })
 }
 
 fn parse_overrides(s: &str) -> Result<Vec<(String, u64)>> {
@@ -116,6 +117,7 @@ pub fn plan_for(r: &Resolved, strategy: Strategy) -> Result<SyncPlan> {
         period: r.period,
         schedule: r.schedule,
         overrides: &r.overrides,
+        bubble_filling: r.bubble_fill,
         link: &r.cfg.link,
         workers: r.cfg.workers,
         batch: r.cfg.batch,

@@ -275,6 +275,10 @@ pub struct PlanConfig {
     pub period_overrides: Vec<(String, u64)>,
     /// Bucket size limits.
     pub bucket_caps: BucketCaps,
+    /// DreamDDP bubble filling: extra syncs where the modelled link would idle. Off by
+    /// default: extra syncs cost bytes, and on a fast link they would sync every layer
+    /// every step (the bytes of `ssgd`).
+    pub bubble_filling: bool,
 }
 
 impl PlanConfig {
@@ -287,6 +291,7 @@ impl PlanConfig {
             schedule: ScheduleKind::Profiled,
             period_overrides: Vec::new(),
             bucket_caps: BucketCaps::default(),
+            bubble_filling: false,
         }
     }
 }
@@ -364,7 +369,15 @@ impl SyncPlan {
                 ScheduleKind::Profiled => {
                     let profile = profile.ok_or(PlanError::MissingProfile)?;
                     check_profile(&units_backward, profile)?;
-                    schedule::profiled(&profile.layers, h, profile.forward_s)?
+                    schedule::profiled_with(
+                        &profile.layers,
+                        h,
+                        profile.forward_s,
+                        &schedule::SearchOptions {
+                            bubble_filling: config.bubble_filling,
+                            ..schedule::SearchOptions::default()
+                        },
+                    )?
                 }
             })
         } else {

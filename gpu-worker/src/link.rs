@@ -340,7 +340,11 @@ impl LinkModel {
         if world <= 1 || transfer_s <= 0.0 || wire <= 0.0 {
             return Self::unshaped();
         }
-        Self { bandwidth_bytes_per_s: wire / transfer_s, latency_s }
+        // Three significant digits (in bit/s) keep the printed spec short and re-parsable.
+        let bits = wire / transfer_s * 8.0;
+        let scale = 10f64.powi(bits.log10().floor() as i32 - 2);
+        let bits = (bits / scale).round() * scale;
+        Self { bandwidth_bytes_per_s: bits / 8.0, latency_s }
     }
 }
 

@@ -21,6 +21,8 @@ pub struct PlanInputs<'a> {
     pub schedule: ScheduleKind,
     /// Per-layer period overrides by layer name.
     pub overrides: &'a [(String, u64)],
+    /// DreamDDP bubble filling (extra syncs on an idle link).
+    pub bubble_filling: bool,
     /// The link the collective is shaped with.
     pub link: &'a LinkModel,
     /// Worker threads.
@@ -38,6 +40,7 @@ pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanError> {
     let mut cfg = PlanConfig::new(inp.strategy, inp.period);
     cfg.schedule = inp.schedule;
     cfg.period_overrides = inp.overrides.to_vec();
+    cfg.bubble_filling = inp.bubble_filling;
     let profile = if inp.strategy == Strategy::DreamDdp && inp.schedule == ScheduleKind::Profiled {
         let p = profile_step(inp.task, inp.batch, inp.workers, 5, inp.seed);
         Some(ModelProfile { forward_s: p.forward_s, layers: p.layer_profiles(inp.link, inp.workers) })
