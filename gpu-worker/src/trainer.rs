@@ -9,7 +9,14 @@
 //! | `ssgd` | nothing | all-reduce all gradients (one bucket), wait, step every layer |
 //! | `wfbp` | when a gradient bucket is complete, launch its all-reduce | wait each bucket, step |
 //! | `localsgd` | step the layer locally | every H-th step: all-reduce all parameters, wait |
-//! | `dreamddp` | step the layer; if due, launch its bucket's parameter all-reduce as soon as the bucket is complete | wait the launched buckets, write averaged parameters |
+//! | `dreamddp` | first land the bucket's average launched at an earlier step (wait on its handle, write it), then step the layer; if due, launch its bucket's parameter all-reduce as soon as the bucket is complete | nothing: the handle is waited right before the layer's next optimizer step |
+//!
+//! DreamDDP's wait is deferred to the layer's next optimizer step (DESIGN.md: "waited
+//! before that layer's optimizer step"), so a layer's communication overlaps the rest of
+//! this backward, the next forward and the next backward down to that layer. Nothing touches
+//! the layer in between, so writing the average is exactly the asynchrony rule
+//! θ ← θ_global + (θ_now − θ_at_cut) with θ_now = θ_at_cut; the next forward reads the
+//! replica's own (one step stale) values of that layer.
 //!
 //! Evaluation pauses every worker at a barrier; its time is excluded from step times.
 
@@ -309,8 +316,15 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
     let mut staging: Vec<Vec<f32>> = vec![Vec::new(); buckets.len()];
     let mut due_left = vec![0usize; buckets.len()];
     let mut in_flight: Vec<InFlight> = Vec::new();
+    // DreamDDP: averages launched at an earlier step, per bucket, waited at the layer's next step.
+    let mut deferred: Vec<Option<InFlight>> = (0..buckets.len()).map(|_| None).collect();
+    // DreamDDP: a landed average and the (layer, offset) slices still to be written.
+    let mut landed: Vec<Option<(Vec<f32>, Vec<(usize, usize)>)>> = vec![None; buckets.len()];
+    let layer_len: Vec<usize> =
+        model.layers.iter().map(|l| l.layer.params().iter().map(|p| p.len()).sum()).collect();
     let strategy = cfg.strategy;
     let all_layers: Vec<usize> = infos.iter().rev().map(|i| i.index).collect();
+    let layer_names: Vec<String> = model.layers.iter().map(|l| l.name.clone()).collect();
 
     for step in 0..cfg.steps {
         let lr = schedule.lr_at(step);
@@ -348,7 +362,50 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
             let buckets = &buckets;
             let bucket_of = &bucket_of;
             let launch_error = &mut launch_error;
+            let deferred = &mut deferred;
+            let landed = &mut landed;
+            let layer_len = &layer_len;
+            let syncs = &mut syncs;
+            let layer_name_of = |l: usize| layer_names[l].clone();
             let mut hook = |idx: usize, layer: &mut NamedLayer| {
+                if strategy == Strategy::DreamDdp {
+                    let b = bucket_of[idx];
+                    if let Some(f) = deferred[b].take() {
+                        match f.handle.wait() {
+                            Ok(avg) => {
+                                let mut off = 0;
+                                let mut slices = Vec::with_capacity(f.layers.len());
+                                for &l in &f.layers {
+                                    slices.push((l, off));
+                                    off += layer_len[l];
+                                }
+                                if rank == 0 {
+                                    log_sync(&f.layers, f.bucket, f.launched, off * 4, layer_name_of);
+                                    for &l in &f.layers {
+                                        *syncs.entry(layer_name_of(l)).or_default() += 1;
+                                    }
+                                }
+                                landed[b] = Some((avg, slices));
+                            }
+                            Err(e) => {
+                                launch_error.get_or_insert(e);
+                            }
+                        }
+                    }
+                    if let Some((avg, slices)) = landed[b].as_mut() {
+                        if let Some(pos) = slices.iter().position(|(l, _)| *l == idx) {
+                            let (_, mut off) = slices.swap_remove(pos);
+                            for p in layer.layer.params_mut() {
+                                let n = p.value.len();
+                                p.value.copy_from_slice(&avg[off..off + n]);
+                                off += n;
+                            }
+                        }
+                        if slices.is_empty() {
+                            landed[b] = None;
+                        }
+                    }
+                }
                 let is_due = match strategy {
                     Strategy::Ssgd => false,
                     Strategy::Wfbp => true,
@@ -380,7 +437,12 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
                     let key = ReduceKey { step, bucket: b as u32 };
                     match collective.all_reduce_mean(rank, key, std::mem::take(buf)) {
                         Ok(handle) => {
-                            in_flight.push(InFlight { bucket: b as u32, layers, handle, launched: Instant::now() })
+                            let f = InFlight { bucket: b as u32, layers, handle, launched: Instant::now() };
+                            if strategy == Strategy::DreamDdp {
+                                deferred[b] = Some(f);
+                            } else {
+                                in_flight.push(f);
+                            }
                         }
                         Err(e) => {
                             launch_error.get_or_insert(e);
@@ -439,13 +501,7 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
                 }
             }
             if rank == 0 {
-                tracing::debug!(
-                    "[SYNC] layer={} bucket={} bytes={} ms={:.3}",
-                    f.layers.iter().map(|&l| model.layers[l].name.as_str()).collect::<Vec<_>>().join("+"),
-                    f.bucket,
-                    off * 4,
-                    f.launched.elapsed().as_secs_f64() * 1e3
-                );
+                log_sync(&f.layers, f.bucket, f.launched, off * 4, |l| model.layers[l].name.clone());
             }
         }
         if matches!(strategy, Strategy::Ssgd | Strategy::Wfbp) {
@@ -479,7 +535,31 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
             sh.barrier.wait();
         }
     }
+    // DreamDDP: land the averages still in flight after the last step.
+    let drain_started = Instant::now();
+    for f in deferred.iter_mut().filter_map(Option::take) {
+        let avg = f.handle.wait()?;
+        let mut off = 0;
+        for &l in &f.layers {
+            model.set_layer_values(l, &avg[off..off + layer_len[l]]);
+            off += layer_len[l];
+            if rank == 0 {
+                *syncs.entry(model.layers[l].name.clone()).or_default() += 1;
+            }
+        }
+    }
+    train_seconds += drain_started.elapsed().as_secs_f64();
     Ok(WorkerResult { final_params: model.flat_values(), train_seconds, syncs })
+}
+
+fn log_sync(layers: &[usize], bucket: u32, launched: Instant, bytes: usize, name: impl Fn(usize) -> String) {
+    tracing::debug!(
+        "[SYNC] layer={} bucket={} bytes={} ms={:.3}",
+        layers.iter().map(|&l| name(l)).collect::<Vec<_>>().join("+"),
+        bucket,
+        bytes,
+        launched.elapsed().as_secs_f64() * 1e3
+    );
 }
 
 fn step_layer(opts: &mut [Option<LayerOptimizer>], idx: usize, layer: &mut NamedLayer, lr: f32) {
