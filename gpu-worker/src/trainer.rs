@@ -579,3 +579,7 @@ pub fn set_flat_values(model: &mut Model, flat: &[f32]) {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "trainer_tests.rs"]
+mod tests;

@@ -1,0 +1,158 @@
+//! Tests of the node training loop on the embedded digits data set (no ../shared needed).
+
+use std::sync::Arc;
+
+use engine::data::digits::load_digits_embedded;
+use engine::optim::OptimizerConfig;
+use engine::plan::{ScheduleKind, Strategy};
+
+use super::*;
+use crate::planning::{build_plan, PlanInputs};
+use crate::task::{ModelKind, Task, TaskData};
+
+fn digits_task(model: ModelKind) -> Task {
+    Task::new(model, "digits", TaskData::Images(Arc::new(load_digits_embedded()))).expect("valid pairing")
+}
+
+fn config(strategy: Strategy, steps: u64) -> TrainConfig {
+    TrainConfig {
+        workers: 2,
+        strategy,
+        steps,
+        batch: 16,
+        lr: 0.05,
+        warmup: 10,
+        optimizer: OptimizerConfig::Sgd { momentum: 0.9, weight_decay: 0.0, nesterov: true },
+        link: LinkModel::unshaped(),
+        seed: 7,
+        eval_every: 0,
+        eval_limit: None,
+    }
+}
+
+fn run(task: &Task, cfg: &TrainConfig, period: u64, schedule: ScheduleKind) -> RunReport {
+    let plan = build_plan(&PlanInputs {
+        task,
+        strategy: cfg.strategy,
+        period,
+        schedule,
+        overrides: &[],
+        bubble_filling: false,
+        link: &cfg.link,
+        workers: cfg.workers,
+        batch: cfg.batch,
+        seed: cfg.seed,
+    })
+    .expect("plan");
+    train(task, cfg, plan, Box::new(|_, _| {})).expect("training succeeds")
+}
+
+#[test]
+fn every_strategy_learns_digits() {
+    let task = digits_task(ModelKind::Mlp);
+    for strategy in [Strategy::Ssgd, Strategy::Wfbp, Strategy::LocalSgd, Strategy::DreamDdp] {
+        let report = run(&task, &config(strategy, 300), 4, ScheduleKind::Equal);
+        let acc = report.test_accuracy.expect("classification");
+        assert!(acc > 0.9, "{strategy}: test accuracy {acc}");
+        assert_eq!(report.strategy, strategy.to_string());
+        assert!(report.bytes_sent > 0, "{strategy} synchronized nothing");
+    }
+}
+
+#[test]
+fn ssgd_and_wfbp_compute_the_same_model() {
+    // Both average gradients every step; only the bucketing and overlap differ.
+    let task = digits_task(ModelKind::Mlp);
+    let a = run(&task, &config(Strategy::Ssgd, 60), 1, ScheduleKind::Equal);
+    let b = run(&task, &config(Strategy::Wfbp, 60), 1, ScheduleKind::Equal);
+    assert_eq!(a.bytes_sent, b.bytes_sent);
+    assert!((a.val_loss - b.val_loss).abs() < 1e-4, "{} vs {}", a.val_loss, b.val_loss);
+}
+
+#[test]
+fn dreamddp_syncs_each_layer_once_per_period_and_quarter_of_the_bytes() {
+    let task = digits_task(ModelKind::Mlp);
+    let steps = 80;
+    let ssgd = run(&task, &config(Strategy::Ssgd, steps), 4, ScheduleKind::Equal);
+    let dream = run(&task, &config(Strategy::DreamDdp, steps), 4, ScheduleKind::Profiled);
+    for (layer, count) in &dream.per_layer_syncs {
+        assert_eq!(*count, steps / 4, "layer {layer}");
+    }
+    for count in ssgd.per_layer_syncs.values() {
+        assert_eq!(*count, steps);
+    }
+    // Parameters instead of gradients, 1/4 of the layer syncs, plus one final average.
+    let ratio = dream.bytes_sent as f64 / ssgd.bytes_sent as f64;
+    assert!(ratio < 0.3, "dreamddp/ssgd bytes ratio {ratio}");
+}
+
+#[test]
+fn localsgd_syncs_every_period() {
+    let task = digits_task(ModelKind::Mlp);
+    let report = run(&task, &config(Strategy::LocalSgd, 40), 4, ScheduleKind::Equal);
+    assert!(report.per_layer_syncs.values().all(|c| *c == 10), "{:?}", report.per_layer_syncs);
+}
+
+#[test]
+fn shaped_link_slows_blocking_sync_more_than_dreamddp() {
+    // Lower bounds only: a shaped link adds at least its modelled time to every blocking
+    // ssgd step, and dreamddp hides most of it.
+    let task = digits_task(ModelKind::Mlp);
+    let mut cfg = config(Strategy::Ssgd, 30);
+    cfg.link = "200mbit,100us".parse().expect("link spec");
+    let params = task.build_model(0).param_count();
+    let per_step = cfg.link.ring_allreduce_seconds(params * 4, cfg.workers);
+    let ssgd = run(&task, &cfg, 4, ScheduleKind::Equal);
+    assert!(ssgd.train_seconds >= per_step * 30.0 * 0.99, "{} < {}", ssgd.train_seconds, per_step * 30.0);
+}
+
+#[test]
+fn cnn_and_evaluation_curve_on_digits() {
+    let task = digits_task(ModelKind::Cnn);
+    let mut cfg = config(Strategy::DreamDdp, 200);
+    cfg.optimizer = OptimizerConfig::AdamW { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
+    cfg.lr = 2e-3;
+    cfg.eval_every = 100;
+    let report = run(&task, &cfg, 4, ScheduleKind::Profiled);
+    assert_eq!(report.curve.len(), 2);
+    assert!(report.test_accuracy.expect("accuracy") > 0.85, "{:?}", report.test_accuracy);
+}
+
+#[test]
+fn bad_configs_are_errors_not_panics() {
+    let task = digits_task(ModelKind::Mlp);
+    let mut cfg = config(Strategy::Ssgd, 10);
+    cfg.workers = 0;
+    let plan = build_plan(&PlanInputs {
+        task: &task,
+        strategy: Strategy::Ssgd,
+        period: 1,
+        schedule: ScheduleKind::Equal,
+        overrides: &[],
+        bubble_filling: false,
+        link: &cfg.link,
+        workers: 1,
+        batch: 16,
+        seed: 0,
+    })
+    .expect("plan");
+    let err = train(&task, &cfg, plan, Box::new(|_, _| {})).err().expect("zero workers is an error");
+    assert!(err.to_string().contains("--workers"), "{err}");
+
+    // DreamDDP asked for more steps per period than the model has sync units.
+    let err = build_plan(&PlanInputs {
+        task: &task,
+        strategy: Strategy::DreamDdp,
+        period: 8,
+        schedule: ScheduleKind::Equal,
+        overrides: &[],
+        bubble_filling: false,
+        link: &cfg.link,
+        workers: 2,
+        batch: 16,
+        seed: 0,
+    })
+    .err()
+    .expect("period 8 > 4 units");
+    assert!(err.to_string().contains("period 8"), "{err}");
+}
