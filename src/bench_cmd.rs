@@ -344,7 +344,7 @@ impl TorchBaseline {
             .ok_or_else(|| TorchUnavailable::ScriptsNotFound(candidates.clone()))?;
         let installer = dir.join("install_torch.sh");
         eprintln!(
-            "PyTorch baseline: running {} (first run downloads ~1.5 GB)",
+            "PyTorch baseline: running {} (the first run downloads ~2.3 GB, ~4 min)",
             installer.display()
         );
         let output = Command::new("bash")
