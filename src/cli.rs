@@ -23,6 +23,31 @@ pub enum Command {
     Train(Box<TrainArgs>),
     /// Print the sync plan (buckets, per-layer phase and period) a strategy would use, without training.
     Plan(Box<TrainArgs>),
+    /// Time one training step of mlp and cnn against PyTorch on the CPU (same threads, same run).
+    Bench(BenchArgs),
+}
+
+/// Flags of `bench`.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Threads for one step, in both the built-in backend and PyTorch.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Timed steps per measurement (the median is reported).
+    #[arg(long, default_value_t = 50)]
+    pub steps: usize,
+    /// Untimed steps before each measurement.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Models to time (comma-separated): mlp, cnn.
+    #[arg(long, default_value = "mlp,cnn")]
+    pub models: String,
+    /// Where to write the JSON report.
+    #[arg(long, default_value = "bench.json")]
+    pub out: PathBuf,
+    /// Skip the PyTorch baseline (no install, no ratio).
+    #[arg(long)]
+    pub no_torch: bool,
 }
 
 /// Flags of `train` and `plan`. Every flag can also come from `--config FILE.toml`

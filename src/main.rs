@@ -1,5 +1,6 @@
 //! `dreamddp`: the command-line entry point. Subcommands live in their own modules.
 
+mod bench_cmd;
 mod cli;
 mod compare;
 mod plots;
@@ -15,6 +16,7 @@ fn main() {
     let result = match args.command {
         cli::Command::Train(a) => train_cmd::run(*a),
         cli::Command::Plan(a) => train_cmd::plan(*a),
+        cli::Command::Bench(a) => bench_cmd::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
