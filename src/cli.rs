@@ -159,17 +159,36 @@ pub struct TrainFile {
 impl TrainArgs {
     /// Fills every flag not given on the command line from the config file, if any.
     pub fn merge_config(mut self) -> anyhow::Result<Self> {
-        let Some(path) = self.config.clone() else { return Ok(self) };
+        let Some(path) = self.config.clone() else {
+            return Ok(self);
+        };
         let text = std::fs::read_to_string(&path)
             .map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", path.display()))?;
-        let f: TrainFile =
-            toml::from_str(&text).map_err(|e| anyhow::anyhow!("bad config {}: {e}", path.display()))?;
+        let f: TrainFile = toml::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("bad config {}: {e}", path.display()))?;
         macro_rules! fill {
             ($($field:ident),*) => { $( if self.$field.is_none() { self.$field = f.$field; } )* };
         }
         fill!(
-            model, dataset, data_dir, workers, strategy, period, schedule, layer_period, steps, batch, lr,
-            warmup, optimizer, link, seed, eval_every, eval_limit, strategies, out
+            model,
+            dataset,
+            data_dir,
+            workers,
+            strategy,
+            period,
+            schedule,
+            layer_period,
+            steps,
+            batch,
+            lr,
+            warmup,
+            optimizer,
+            link,
+            seed,
+            eval_every,
+            eval_limit,
+            strategies,
+            out
         );
         self.compare |= f.compare.unwrap_or(false);
         self.bubble_fill |= f.bubble_fill.unwrap_or(false);

@@ -23,7 +23,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         .collect::<Result<_>>()?;
     let r = resolve(args)?;
     let out_dir = args.out.clone().unwrap_or_else(|| {
-        PathBuf::from(format!("runs/compare-{}-{}", r.task.model.name(), r.task.dataset))
+        PathBuf::from(format!(
+            "runs/compare-{}-{}",
+            r.task.model.name(),
+            r.task.dataset
+        ))
     });
     println!(
         "comparing {} on {}: {} workers, {} steps, batch {}/worker, period {}, link {} (from '{}')",
@@ -43,7 +47,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         reports.push(rep);
     }
     print_table(&reports);
-    std::fs::create_dir_all(&out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
+    std::fs::create_dir_all(&out_dir)
+        .with_context(|| format!("cannot create {}", out_dir.display()))?;
     write_json(&out_dir.join("compare.json"), &reports)?;
     write_csv(&out_dir.join("curves.csv"), &reports)?;
     plots::accuracy_plots(&out_dir, &reports)?;
@@ -56,7 +61,11 @@ pub fn run(args: &TrainArgs) -> Result<()> {
 
 fn print_table(reports: &[RunReport]) {
     let base = reports.iter().find(|r| r.strategy == "ssgd");
-    let metric_name = if reports.iter().any(|r| r.test_accuracy.is_some()) { "test acc" } else { "val loss" };
+    let metric_name = if reports.iter().any(|r| r.test_accuracy.is_some()) {
+        "test acc"
+    } else {
+        "val loss"
+    };
     println!();
     println!(
         "{:<10} {:>9} {:>12} {:>10} {:>11} {:>14} {:>8}",
@@ -89,8 +98,17 @@ fn print_table(reports: &[RunReport]) {
 }
 
 fn write_csv(path: &std::path::Path, reports: &[RunReport]) -> Result<()> {
-    let mut w = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
-    w.write_record(["strategy", "step", "train_seconds", "bytes_sent", "train_loss", "test_accuracy", "test_loss"])?;
+    let mut w =
+        csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    w.write_record([
+        "strategy",
+        "step",
+        "train_seconds",
+        "bytes_sent",
+        "train_loss",
+        "test_accuracy",
+        "test_loss",
+    ])?;
     for r in reports {
         for p in &r.curve {
             w.write_record([
@@ -99,7 +117,9 @@ fn write_csv(path: &std::path::Path, reports: &[RunReport]) -> Result<()> {
                 format!("{:.4}", p.train_seconds),
                 p.bytes_sent.to_string(),
                 format!("{:.5}", p.train_loss),
-                p.test_accuracy.map(|a| format!("{a:.5}")).unwrap_or_default(),
+                p.test_accuracy
+                    .map(|a| format!("{a:.5}"))
+                    .unwrap_or_default(),
                 format!("{:.5}", p.test_loss),
             ])?;
         }

@@ -10,9 +10,14 @@ use clap::Parser;
 
 fn main() {
     let args = cli::Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(if args.verbose { "debug" } else { "info" }));
-    tracing_subscriber::fmt().with_env_filter(filter).with_target(false).with_writer(std::io::stderr).init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(if args.verbose { "debug" } else { "info" })
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .init();
     let result = match args.command {
         cli::Command::Train(a) => train_cmd::run(*a),
         cli::Command::Plan(a) => train_cmd::plan(*a),

@@ -26,9 +26,27 @@ pub fn accuracy_plots(dir: &Path, reports: &[RunReport]) -> Result<()> {
             p.test_loss
         }
     };
-    let ylabel = if accuracy { "test accuracy (%)" } else { "validation loss (nats/char)" };
-    line_plot(&dir.join("metric_vs_step.svg"), reports, "step", ylabel, |p| p.step as f64, metric)?;
-    line_plot(&dir.join("metric_vs_time.svg"), reports, "training time (s)", ylabel, |p| p.train_seconds, metric)
+    let ylabel = if accuracy {
+        "test accuracy (%)"
+    } else {
+        "validation loss (nats/char)"
+    };
+    line_plot(
+        &dir.join("metric_vs_step.svg"),
+        reports,
+        "step",
+        ylabel,
+        |p| p.step as f64,
+        metric,
+    )?;
+    line_plot(
+        &dir.join("metric_vs_time.svg"),
+        reports,
+        "training time (s)",
+        ylabel,
+        |p| p.train_seconds,
+        metric,
+    )
 }
 
 fn line_plot(
@@ -39,7 +57,10 @@ fn line_plot(
     x: impl Fn(&gpu_worker::trainer::CurvePoint) -> f64,
     y: impl Fn(&gpu_worker::trainer::CurvePoint) -> f64,
 ) -> Result<()> {
-    let pts: Vec<(f64, f64)> = reports.iter().flat_map(|r| r.curve.iter().map(|p| (x(p), y(p)))).collect();
+    let pts: Vec<(f64, f64)> = reports
+        .iter()
+        .flat_map(|r| r.curve.iter().map(|p| (x(p), y(p))))
+        .collect();
     if pts.is_empty() {
         return Ok(());
     }
@@ -52,7 +73,8 @@ fn line_plot(
     }
     let pad = ((y1 - y0) * 0.05).max(1e-3);
     let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| anyhow!("plot {}: {e}", path.display()))?;
+    root.fill(&WHITE)
+        .map_err(|e| anyhow!("plot {}: {e}", path.display()))?;
     let title = format!("{} vs {}", ylabel, xlabel);
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))
@@ -74,9 +96,15 @@ fn line_plot(
             .draw_series(LineSeries::new(series.clone(), color.stroke_width(2)))
             .map_err(|e| anyhow!("plot {}: {e}", path.display()))?
             .label(r.strategy.clone())
-            .legend(move |(px, py)| PathElement::new(vec![(px, py), (px + 20, py)], color.stroke_width(2)));
+            .legend(move |(px, py)| {
+                PathElement::new(vec![(px, py), (px + 20, py)], color.stroke_width(2))
+            });
         chart
-            .draw_series(series.into_iter().map(|p| Circle::new(p, 3, color.filled())))
+            .draw_series(
+                series
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, color.filled())),
+            )
             .map_err(|e| anyhow!("plot {}: {e}", path.display()))?;
     }
     chart
@@ -85,6 +113,7 @@ fn line_plot(
         .border_style(BLACK)
         .draw()
         .map_err(|e| anyhow!("plot {}: {e}", path.display()))?;
-    root.present().map_err(|e| anyhow!("plot {}: {e}", path.display()))?;
+    root.present()
+        .map_err(|e| anyhow!("plot {}: {e}", path.display()))?;
     Ok(())
 }

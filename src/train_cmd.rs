@@ -28,17 +28,26 @@ pub struct Resolved {
 }
 
 fn data_dir(args: &TrainArgs) -> Option<PathBuf> {
-    args.data_dir.clone().or_else(engine::data::locate::shared_datasets_dir)
+    args.data_dir
+        .clone()
+        .or_else(engine::data::locate::shared_datasets_dir)
 }
 
 /// Turns flags (and the config file) into a task and a training configuration.
 pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
-    let model: ModelKind = args.model.as_deref().unwrap_or("mlp").parse().map_err(|e: String| anyhow!(e))?;
+    let model: ModelKind = args
+        .model
+        .as_deref()
+        .unwrap_or("mlp")
+        .parse()
+        .map_err(|e: String| anyhow!(e))?;
     let dir = data_dir(args);
     let dataset = match args.dataset.as_deref().unwrap_or("auto") {
         "auto" => match (&model, &dir) {
             (ModelKind::GptTiny, _) => "tinyshakespeare".to_string(),
-            (_, Some(d)) if d.join("mnist").is_dir() || d.join("train-images-idx3-ubyte.gz").is_file() => {
+            (_, Some(d))
+                if d.join("mnist").is_dir() || d.join("train-images-idx3-ubyte.gz").is_file() =>
+            {
                 "mnist".to_string()
             }
             _ => "digits".to_string(),
@@ -48,14 +57,31 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
     let data = load_data(&dataset, dir.as_deref()).map_err(|e| anyhow!(e))?;
     let task = Task::new(model, &dataset, data).map_err(|e| anyhow!(e))?;
     let d = task.defaults();
-    let strategy: Strategy = args.strategy.as_deref().unwrap_or("dreamddp").parse().map_err(|e| anyhow!("{e}"))?;
-    let schedule: ScheduleKind = args.schedule.as_deref().unwrap_or("profiled").parse().map_err(|e| anyhow!("{e}"))?;
+    let strategy: Strategy = args
+        .strategy
+        .as_deref()
+        .unwrap_or("dreamddp")
+        .parse()
+        .map_err(|e| anyhow!("{e}"))?;
+    let schedule: ScheduleKind = args
+        .schedule
+        .as_deref()
+        .unwrap_or("profiled")
+        .parse()
+        .map_err(|e| anyhow!("{e}"))?;
     let optimizer = match args.optimizer.as_deref() {
         None => d.optimizer.clone(),
-        Some("sgd") => OptimizerConfig::Sgd { momentum: 0.9, weight_decay: 0.0, nesterov: true },
-        Some("adamw") | Some("adam") => {
-            OptimizerConfig::AdamW { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 }
-        }
+        Some("sgd") => OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+            nesterov: true,
+        },
+        Some("adamw") | Some("adam") => OptimizerConfig::AdamW {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        },
         Some(o) => bail!("unknown --optimizer '{o}'; expected sgd or adamw"),
     };
     let overrides = parse_overrides(args.layer_period.as_deref().unwrap_or(""))?;
@@ -90,20 +116,27 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         eval_limit: args.eval_limit,
     };
     let period = args.period.unwrap_or(4);
-    Ok(Resolved { task, cfg, period, schedule, overrides, bubble_fill: args.bubble_fill, link_spec })
+    Ok(Resolved {
+        task,
+        cfg,
+        period,
+        schedule,
+        overrides,
+        bubble_fill: args.bubble_fill,
+        link_spec,
+    })
 }
 
 fn parse_overrides(s: &str) -> Result<Vec<(String, u64)>> {
     s.split(',')
         .filter(|p| !p.trim().is_empty())
         .map(|p| {
-            let (name, k) = p
-                .split_once('=')
-                .ok_or_else(|| anyhow!("bad --layer-period entry '{p}': expected LAYER=PERIOD, e.g. head=1"))?;
-            let k: u64 = k
-                .trim()
-                .parse()
-                .map_err(|_| anyhow!("bad --layer-period entry '{p}': '{k}' is not a whole number"))?;
+            let (name, k) = p.split_once('=').ok_or_else(|| {
+                anyhow!("bad --layer-period entry '{p}': expected LAYER=PERIOD, e.g. head=1")
+            })?;
+            let k: u64 = k.trim().parse().map_err(|_| {
+                anyhow!("bad --layer-period entry '{p}': '{k}' is not a whole number")
+            })?;
             Ok((name.trim().to_string(), k))
         })
         .collect()
@@ -132,10 +165,16 @@ pub fn train_one(r: &Resolved, strategy: Strategy, quiet: bool) -> Result<RunRep
     tracing::debug!("sync plan:\n{}", plan.describe());
     let mut cfg = r.cfg.clone();
     cfg.strategy = strategy;
-    let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(cfg.steps) };
+    let bar = if quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(cfg.steps)
+    };
     bar.set_style(
-        ProgressStyle::with_template("{prefix:>9} [{elapsed_precise}] {wide_bar} {pos}/{len} steps  loss {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template(
+            "{prefix:>9} [{elapsed_precise}] {wide_bar} {pos}/{len} steps  loss {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar.set_prefix(strategy.to_string());
     bar.enable_steady_tick(Duration::from_millis(250));
@@ -192,7 +231,8 @@ pub fn human_bytes(b: u64) -> String {
 /// Writes `value` as pretty JSON to `path`, creating parent folders.
 pub fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
     }
     let text = serde_json::to_string_pretty(value)?;
     std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))

@@ -33,7 +33,10 @@ pub fn matmul(
     trans_b: bool,
     accumulate: bool,
 ) {
-    assert!(c.len() >= m * n && a.len() >= m * k && b.len() >= k * n, "matmul operand sizes");
+    assert!(
+        c.len() >= m * n && a.len() >= m * k && b.len() >= k * n,
+        "matmul operand sizes"
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -44,8 +47,16 @@ pub fn matmul(
         return;
     }
     // Strides (column stride, row stride) in elements for the logical matrices.
-    let (a_cs, a_rs) = if trans_a { (m as isize, 1) } else { (1, k as isize) };
-    let (b_cs, b_rs) = if trans_b { (k as isize, 1) } else { (1, n as isize) };
+    let (a_cs, a_rs) = if trans_a {
+        (m as isize, 1)
+    } else {
+        (1, k as isize)
+    };
+    let (b_cs, b_rs) = if trans_b {
+        (k as isize, 1)
+    } else {
+        (1, n as isize)
+    };
     let parallelism = match threads() {
         1 => gemm::Parallelism::None,
         t => gemm::Parallelism::Rayon(t),
@@ -100,8 +111,12 @@ mod tests {
     #[test]
     fn matmul_matches_naive_for_all_transposes() {
         let (m, k, n) = (7, 13, 5);
-        let a: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect();
-        let b: Vec<f32> = (0..k * n).map(|i| ((i * 17 % 7) as f32 - 3.0) * 0.2).collect();
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1)
+            .collect();
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 17 % 7) as f32 - 3.0) * 0.2)
+            .collect();
         for ta in [false, true] {
             for tb in [false, true] {
                 let want = naive(&a, &b, m, k, n, ta, tb);

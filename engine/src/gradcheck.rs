@@ -9,17 +9,25 @@ use crate::tensor::Tensor;
 
 /// Deterministic pseudo-random values in [-1, 1).
 pub fn pseudo_random(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..len)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
 }
 
 fn weighted_sum(out: &Tensor, r: &[f32]) -> f64 {
-    out.data.iter().zip(r).map(|(a, b)| *a as f64 * *b as f64).sum()
+    out.data
+        .iter()
+        .zip(r)
+        .map(|(a, b)| *a as f64 * *b as f64)
+        .sum()
 }
 
 /// Checks the gradients of `layer` at `input`. `check_input = false` skips the input

@@ -19,9 +19,18 @@ pub struct Param {
 impl Param {
     /// A parameter with the given initial values and a zeroed gradient.
     pub fn new(name: &str, shape: &[usize], value: Vec<f32>) -> Self {
-        assert_eq!(shape.iter().product::<usize>(), value.len(), "param {name} shape");
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            value.len(),
+            "param {name} shape"
+        );
         let grad = vec![0.0; value.len()];
-        Self { name: name.to_string(), shape: shape.to_vec(), value, grad }
+        Self {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            value,
+            grad,
+        }
     }
 
     /// Number of scalars.

@@ -39,9 +39,15 @@ impl Model {
     pub fn new(name: &str, layers: Vec<(&str, Box<dyn Layer>)>) -> Self {
         let layers = layers
             .into_iter()
-            .map(|(n, layer)| NamedLayer { name: n.to_string(), layer })
+            .map(|(n, layer)| NamedLayer {
+                name: n.to_string(),
+                layer,
+            })
             .collect();
-        Self { name: name.to_string(), layers }
+        Self {
+            name: name.to_string(),
+            layers,
+        }
     }
 
     /// Forward through every layer.
@@ -91,7 +97,10 @@ impl Model {
 
     /// Total number of f32 parameters.
     pub fn param_count(&self) -> usize {
-        self.layers.iter().map(|l| param_len(l.layer.as_ref())).sum()
+        self.layers
+            .iter()
+            .map(|l| param_len(l.layer.as_ref()))
+            .sum()
     }
 
     /// Copies the parameters of layer `index` into one flat vector (param order, row-major).
@@ -119,6 +128,8 @@ impl Model {
 
     /// All parameters of the model as one flat vector, layer by layer in forward order.
     pub fn flat_values(&self) -> Vec<f32> {
-        (0..self.layers.len()).flat_map(|i| self.layer_values(i)).collect()
+        (0..self.layers.len())
+            .flat_map(|i| self.layer_values(i))
+            .collect()
     }
 }

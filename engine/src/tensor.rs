@@ -12,7 +12,10 @@ pub struct Tensor {
 impl Tensor {
     /// A tensor of zeros.
     pub fn zeros(shape: &[usize]) -> Self {
-        Self { shape: shape.to_vec(), data: vec![0.0; shape.iter().product()] }
+        Self {
+            shape: shape.to_vec(),
+            data: vec![0.0; shape.iter().product()],
+        }
     }
 
     /// Wraps `data`; the caller guarantees `data.len()` equals the product of `shape`.
@@ -26,7 +29,10 @@ impl Tensor {
             "tensor shape {shape:?} does not match {} values",
             data.len()
         );
-        Self { shape: shape.to_vec(), data }
+        Self {
+            shape: shape.to_vec(),
+            data,
+        }
     }
 
     /// Number of elements.
@@ -51,7 +57,11 @@ impl Tensor {
 
     /// Same data, new shape with the same number of elements.
     pub fn reshaped(mut self, shape: &[usize]) -> Self {
-        assert_eq!(shape.iter().product::<usize>(), self.data.len(), "reshape to {shape:?}");
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            self.data.len(),
+            "reshape to {shape:?}"
+        );
         self.shape = shape.to_vec();
         self
     }

@@ -344,7 +344,10 @@ impl LinkModel {
         let bits = wire / transfer_s * 8.0;
         let scale = 10f64.powi(bits.log10().floor() as i32 - 2);
         let bits = (bits / scale).round() * scale;
-        Self { bandwidth_bytes_per_s: bits / 8.0, latency_s }
+        Self {
+            bandwidth_bytes_per_s: bits / 8.0,
+            latency_s,
+        }
     }
 }
 
@@ -530,4 +533,3 @@ mod tests {
         }
     }
 }
-

@@ -43,7 +43,10 @@ pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanError> {
     cfg.bubble_filling = inp.bubble_filling;
     let profile = if inp.strategy == Strategy::DreamDdp && inp.schedule == ScheduleKind::Profiled {
         let p = profile_step(inp.task, inp.batch, inp.workers, 5, inp.seed);
-        Some(ModelProfile { forward_s: p.forward_s, layers: p.layer_profiles(inp.link, inp.workers) })
+        Some(ModelProfile {
+            forward_s: p.forward_s,
+            layers: p.layer_profiles(inp.link, inp.workers),
+        })
     } else {
         None
     };

@@ -51,7 +51,13 @@ impl StepProfile {
 
 /// Times `measured` training steps (after 2 warm-up steps) of one replica on this thread and
 /// returns median per-layer backward times. `workers` sharing the machine's cores scale them.
-pub fn profile_step(task: &Task, batch_size: usize, workers: usize, measured: usize, seed: u64) -> StepProfile {
+pub fn profile_step(
+    task: &Task,
+    batch_size: usize,
+    workers: usize,
+    measured: usize,
+    seed: u64,
+) -> StepProfile {
     let mut model = task.build_model(seed);
     let mut batch = Batch::default();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -92,7 +98,9 @@ pub fn profile_step(task: &Task, batch_size: usize, workers: usize, measured: us
             }
         }
     }
-    let cores = std::thread::available_parallelism().map(|c| c.get()).unwrap_or(1);
+    let cores = std::thread::available_parallelism()
+        .map(|c| c.get())
+        .unwrap_or(1);
     let contention = (workers as f64 / cores as f64).max(1.0);
     StepProfile {
         forward_s: median(&mut fwd) * contention,

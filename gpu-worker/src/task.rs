@@ -43,7 +43,9 @@ impl std::str::FromStr for ModelKind {
             "mlp" => Ok(ModelKind::Mlp),
             "cnn" => Ok(ModelKind::Cnn),
             "gpt-tiny" | "gpt" => Ok(ModelKind::GptTiny),
-            other => Err(format!("unknown model '{other}'; expected one of: mlp, cnn, gpt-tiny")),
+            other => Err(format!(
+                "unknown model '{other}'; expected one of: mlp, cnn, gpt-tiny"
+            )),
         }
     }
 }
@@ -116,7 +118,10 @@ impl Task {
                 engine::models::cnn::cnn(s[0], s[1], s[2], tt.train.classes, seed)
             }
             (ModelKind::GptTiny, TaskData::Chars(c)) => {
-                let cfg = self.gpt.clone().unwrap_or_else(|| GptConfig::tiny(c.vocab.len()));
+                let cfg = self
+                    .gpt
+                    .clone()
+                    .unwrap_or_else(|| GptConfig::tiny(c.vocab.len()));
                 gpt_tiny(&cfg, seed)
             }
             // Task::new rejects the other pairings.
@@ -128,7 +133,8 @@ impl Task {
     pub fn new(model: ModelKind, dataset: &str, data: TaskData) -> Result<Self, String> {
         let ok = matches!(
             (&model, &data),
-            (ModelKind::Mlp | ModelKind::Cnn, TaskData::Images(_)) | (ModelKind::GptTiny, TaskData::Chars(_))
+            (ModelKind::Mlp | ModelKind::Cnn, TaskData::Images(_))
+                | (ModelKind::GptTiny, TaskData::Chars(_))
         );
         if !ok {
             return Err(format!(
@@ -140,20 +146,69 @@ impl Task {
             TaskData::Chars(c) => Some(GptConfig::tiny(c.vocab.len())),
             TaskData::Images(_) => None,
         };
-        Ok(Self { model, dataset: dataset.to_string(), data, gpt })
+        Ok(Self {
+            model,
+            dataset: dataset.to_string(),
+            data,
+            gpt,
+        })
     }
 
     /// Defaults that reach the README's accuracy targets.
     pub fn defaults(&self) -> TaskDefaults {
-        let sgd = OptimizerConfig::Sgd { momentum: 0.9, weight_decay: 0.0, nesterov: true };
-        let adamw = |wd: f32| OptimizerConfig::AdamW { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: wd };
+        let sgd = OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+            nesterov: true,
+        };
+        let adamw = |wd: f32| OptimizerConfig::AdamW {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: wd,
+        };
         let small = matches!(&self.data, TaskData::Images(tt) if tt.train.len() < 10_000);
         match self.model {
-            ModelKind::Mlp if small => TaskDefaults { steps: 600, batch: 16, lr: 0.05, warmup: 30, optimizer: sgd, eval_every: 50 },
-            ModelKind::Mlp => TaskDefaults { steps: 2000, batch: 32, lr: 0.05, warmup: 100, optimizer: sgd, eval_every: 200 },
-            ModelKind::Cnn if small => TaskDefaults { steps: 600, batch: 16, lr: 2e-3, warmup: 30, optimizer: adamw(0.0), eval_every: 50 },
-            ModelKind::Cnn => TaskDefaults { steps: 1200, batch: 32, lr: 2e-3, warmup: 100, optimizer: adamw(0.0), eval_every: 200 },
-            ModelKind::GptTiny => TaskDefaults { steps: 1500, batch: 8, lr: 3e-3, warmup: 100, optimizer: adamw(0.01), eval_every: 250 },
+            ModelKind::Mlp if small => TaskDefaults {
+                steps: 600,
+                batch: 16,
+                lr: 0.05,
+                warmup: 30,
+                optimizer: sgd,
+                eval_every: 50,
+            },
+            ModelKind::Mlp => TaskDefaults {
+                steps: 2000,
+                batch: 32,
+                lr: 0.05,
+                warmup: 100,
+                optimizer: sgd,
+                eval_every: 200,
+            },
+            ModelKind::Cnn if small => TaskDefaults {
+                steps: 600,
+                batch: 16,
+                lr: 2e-3,
+                warmup: 30,
+                optimizer: adamw(0.0),
+                eval_every: 50,
+            },
+            ModelKind::Cnn => TaskDefaults {
+                steps: 1200,
+                batch: 32,
+                lr: 2e-3,
+                warmup: 100,
+                optimizer: adamw(0.0),
+                eval_every: 200,
+            },
+            ModelKind::GptTiny => TaskDefaults {
+                steps: 1500,
+                batch: 8,
+                lr: 3e-3,
+                warmup: 100,
+                optimizer: adamw(0.01),
+                eval_every: 250,
+            },
         }
     }
 
@@ -170,9 +225,11 @@ impl Task {
         match &self.data {
             TaskData::Images(tt) => {
                 if self.model == ModelKind::Mlp {
-                    tt.train.batch_flat(&batch.indices, &mut batch.input, &mut batch.targets);
+                    tt.train
+                        .batch_flat(&batch.indices, &mut batch.input, &mut batch.targets);
                 } else {
-                    tt.train.batch(&batch.indices, &mut batch.input, &mut batch.targets);
+                    tt.train
+                        .batch(&batch.indices, &mut batch.input, &mut batch.targets);
                 }
             }
             TaskData::Chars(c) => {
@@ -211,7 +268,10 @@ impl Task {
                     correct += argmax_accuracy(&logits, &b.targets);
                     start = end;
                 }
-                Evaluation { accuracy: Some(correct as f64 / n.max(1) as f64), loss: loss_sum / n.max(1) as f64 }
+                Evaluation {
+                    accuracy: Some(correct as f64 / n.max(1) as f64),
+                    loss: loss_sum / n.max(1) as f64,
+                }
             }
             TaskData::Chars(c) => {
                 let ctx = self.gpt.as_ref().map(|g| g.context).unwrap_or(64);
@@ -225,7 +285,10 @@ impl Task {
                     let (loss, _) = softmax_cross_entropy(&logits, &y);
                     loss_sum += loss as f64;
                 }
-                Evaluation { accuracy: None, loss: loss_sum / batches as f64 }
+                Evaluation {
+                    accuracy: None,
+                    loss: loss_sum / batches as f64,
+                }
             }
         }
     }
@@ -251,7 +314,11 @@ pub fn load_data(dataset: &str, dir: Option<&Path>) -> Result<TaskData, String> 
                  or run from a checkout next to ../shared/data/datasets, or use --dataset digits (embedded)"
                     .to_string()
             })?;
-            let mnist_dir = if dir.join("mnist").is_dir() { dir.join("mnist") } else { dir.to_path_buf() };
+            let mnist_dir = if dir.join("mnist").is_dir() {
+                dir.join("mnist")
+            } else {
+                dir.to_path_buf()
+            };
             let tt = engine::data::mnist::load_mnist(&mnist_dir).map_err(|e| e.to_string())?;
             Ok(TaskData::Images(Arc::new(tt)))
         }
@@ -268,11 +335,16 @@ pub fn load_data(dataset: &str, dir: Option<&Path>) -> Result<TaskData, String> 
             })?;
             let candidates = [dir.join("tinyshakespeare/input.txt"), dir.join("input.txt")];
             let path = candidates.iter().find(|p| p.is_file()).ok_or_else(|| {
-                format!("no tinyshakespeare/input.txt or input.txt under {}", dir.display())
+                format!(
+                    "no tinyshakespeare/input.txt or input.txt under {}",
+                    dir.display()
+                )
             })?;
             let c = CharCorpus::load(path).map_err(|e| e.to_string())?;
             Ok(TaskData::Chars(Arc::new(c)))
         }
-        other => Err(format!("unknown data set '{other}'; expected one of: mnist, digits, tinyshakespeare")),
+        other => Err(format!(
+            "unknown data set '{other}'; expected one of: mnist, digits, tinyshakespeare"
+        )),
     }
 }

@@ -173,7 +173,9 @@ pub fn train(
         return Err(TrainError::Config("--workers must be at least 1".into()));
     }
     if cfg.batch == 0 || cfg.steps == 0 {
-        return Err(TrainError::Config("--batch and --steps must be at least 1".into()));
+        return Err(TrainError::Config(
+            "--batch and --steps must be at least 1".into(),
+        ));
     }
     if let TaskData::Images(tt) = &task.data {
         if tt.train.len() < cfg.workers {
@@ -204,7 +206,9 @@ pub fn train(
                     let _guard = AbortOnPanic::new(shared.collective.as_ref(), rank);
                     let r = run_worker(rank, &shared);
                     if let Err(e) = &r {
-                        shared.collective.shutdown(&format!("worker {rank} stopped: {e}"));
+                        shared
+                            .collective
+                            .shutdown(&format!("worker {rank} stopped: {e}"));
                     }
                     r
                 })
@@ -218,7 +222,9 @@ pub fn train(
             Ok(Ok(r)) => results.push(r),
             Ok(Err(e)) => {
                 // Keep the root cause, not the PeerGone errors it caused in the others.
-                if first_err.is_none() || !matches!(e, TrainError::Collective(CollectiveError::PeerGone { .. })) {
+                if first_err.is_none()
+                    || !matches!(e, TrainError::Collective(CollectiveError::PeerGone { .. }))
+                {
                     first_err.get_or_insert(e);
                 }
             }
@@ -252,9 +258,12 @@ pub fn train(
     set_flat_values(&mut model, &avg);
     let mut bytes_sent: u64 = (0..cfg.workers).map(|r| collective.bytes_sent(r)).sum();
     let replicas_differ = matches!(cfg.strategy, Strategy::LocalSgd | Strategy::DreamDdp)
-        && results.iter().any(|r| r.final_params != results[0].final_params);
+        && results
+            .iter()
+            .any(|r| r.final_params != results[0].final_params);
     if replicas_differ {
-        bytes_sent += LinkModel::ring_allreduce_bytes_per_rank(n * 4, cfg.workers) as u64 * cfg.workers as u64;
+        bytes_sent += LinkModel::ring_allreduce_bytes_per_rank(n * 4, cfg.workers) as u64
+            * cfg.workers as u64;
     }
     let eval = task.evaluate(&mut model, cfg.eval_limit);
     let train_seconds = results.iter().map(|r| r.train_seconds).sum::<f64>() / results.len() as f64;
@@ -295,12 +304,22 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
     let mut opts: Vec<Option<LayerOptimizer>> = model
         .layers
         .iter()
-        .map(|l| (!l.layer.params().is_empty()).then(|| LayerOptimizer::new(&cfg.optimizer, l.layer.params())))
+        .map(|l| {
+            (!l.layer.params().is_empty())
+                .then(|| LayerOptimizer::new(&cfg.optimizer, l.layer.params()))
+        })
         .collect();
-    let schedule = LrSchedule { base_lr: cfg.lr, warmup_steps: cfg.warmup, total_steps: cfg.steps, min_lr: cfg.lr * 0.1 };
+    let schedule = LrSchedule {
+        base_lr: cfg.lr,
+        warmup_steps: cfg.warmup,
+        total_steps: cfg.steps,
+        min_lr: cfg.lr * 0.1,
+    };
     let mut sampler = ShardedSampler::new(task.train_len(), rank, cfg.workers, cfg.seed, true)
         .map_err(|e| TrainError::Config(e.to_string()))?;
-    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)));
+    let mut rng = ChaCha8Rng::seed_from_u64(
+        cfg.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)),
+    );
     let mut batch = Batch::default();
     let buckets = sh.plan.buckets().to_vec();
     let mut bucket_of = vec![usize::MAX; model.layers.len()];
@@ -320,8 +339,11 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
     let mut deferred: Vec<Option<InFlight>> = (0..buckets.len()).map(|_| None).collect();
     // DreamDDP: a landed average and the (layer, offset) slices still to be written.
     let mut landed: Vec<Option<(Vec<f32>, Vec<(usize, usize)>)>> = vec![None; buckets.len()];
-    let layer_len: Vec<usize> =
-        model.layers.iter().map(|l| l.layer.params().iter().map(|p| p.len()).sum()).collect();
+    let layer_len: Vec<usize> = model
+        .layers
+        .iter()
+        .map(|l| l.layer.params().iter().map(|p| p.len()).sum())
+        .collect();
     let strategy = cfg.strategy;
     let all_layers: Vec<usize> = infos.iter().rev().map(|i| i.index).collect();
     let layer_names: Vec<String> = model.layers.iter().map(|l| l.name.clone()).collect();
@@ -347,7 +369,11 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
             staging[b].clear();
             due_left[b] = match strategy {
                 Strategy::Wfbp => bucket.layers.len(),
-                Strategy::DreamDdp => bucket.layers.iter().filter(|&&l| sh.plan.is_due(step, l)).count(),
+                Strategy::DreamDdp => bucket
+                    .layers
+                    .iter()
+                    .filter(|&&l| sh.plan.is_due(step, l))
+                    .count(),
                 Strategy::Ssgd | Strategy::LocalSgd => 0,
             };
         }
@@ -380,7 +406,13 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
                                     off += layer_len[l];
                                 }
                                 if rank == 0 {
-                                    log_sync(&f.layers, f.bucket, f.launched, off * 4, layer_name_of);
+                                    log_sync(
+                                        &f.layers,
+                                        f.bucket,
+                                        f.launched,
+                                        off * 4,
+                                        layer_name_of,
+                                    );
                                     for &l in &f.layers {
                                         *syncs.entry(layer_name_of(l)).or_default() += 1;
                                     }
@@ -424,7 +456,11 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
                 let b = bucket_of[idx];
                 let buf = &mut staging[b];
                 for p in layer.layer.params() {
-                    buf.extend_from_slice(if strategy == Strategy::Wfbp { &p.grad } else { &p.value });
+                    buf.extend_from_slice(if strategy == Strategy::Wfbp {
+                        &p.grad
+                    } else {
+                        &p.value
+                    });
                 }
                 due_left[b] -= 1;
                 if due_left[b] == 0 {
@@ -434,10 +470,18 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
                         .copied()
                         .filter(|&l| strategy == Strategy::Wfbp || plan.is_due(step, l))
                         .collect();
-                    let key = ReduceKey { step, bucket: b as u32 };
+                    let key = ReduceKey {
+                        step,
+                        bucket: b as u32,
+                    };
                     match collective.all_reduce_mean(rank, key, std::mem::take(buf)) {
                         Ok(handle) => {
-                            let f = InFlight { bucket: b as u32, layers, handle, launched: Instant::now() };
+                            let f = InFlight {
+                                bucket: b as u32,
+                                layers,
+                                handle,
+                                launched: Instant::now(),
+                            };
                             if strategy == Strategy::DreamDdp {
                                 deferred[b] = Some(f);
                             } else {
@@ -467,7 +511,12 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
                 let key = ReduceKey { step, bucket: 0 };
                 let launched = Instant::now();
                 let handle = sh.collective.all_reduce_mean(rank, key, flat)?;
-                in_flight.push(InFlight { bucket: 0, layers: all_layers.clone(), handle, launched });
+                in_flight.push(InFlight {
+                    bucket: 0,
+                    layers: all_layers.clone(),
+                    handle,
+                    launched,
+                });
             }
             Strategy::LocalSgd if (step + 1) % sh.plan.period() == 0 => {
                 let mut flat = Vec::with_capacity(model.param_count());
@@ -479,7 +528,12 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
                 let key = ReduceKey { step, bucket: 0 };
                 let launched = Instant::now();
                 let handle = sh.collective.all_reduce_mean(rank, key, flat)?;
-                in_flight.push(InFlight { bucket: 0, layers: all_layers.clone(), handle, launched });
+                in_flight.push(InFlight {
+                    bucket: 0,
+                    layers: all_layers.clone(),
+                    handle,
+                    launched,
+                });
             }
             _ => {}
         }
@@ -501,7 +555,9 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
                 }
             }
             if rank == 0 {
-                log_sync(&f.layers, f.bucket, f.launched, off * 4, |l| model.layers[l].name.clone());
+                log_sync(&f.layers, f.bucket, f.launched, off * 4, |l| {
+                    model.layers[l].name.clone()
+                });
             }
         }
         if matches!(strategy, Strategy::Ssgd | Strategy::Wfbp) {
@@ -528,7 +584,10 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
                     test_accuracy: eval.accuracy,
                     test_loss: eval.loss,
                 };
-                sh.curve.lock().unwrap_or_else(|p| p.into_inner()).push(point);
+                sh.curve
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(point);
                 loss_sum = 0.0;
                 loss_count = 0;
             }
@@ -549,13 +608,27 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         }
     }
     train_seconds += drain_started.elapsed().as_secs_f64();
-    Ok(WorkerResult { final_params: model.flat_values(), train_seconds, syncs })
+    Ok(WorkerResult {
+        final_params: model.flat_values(),
+        train_seconds,
+        syncs,
+    })
 }
 
-fn log_sync(layers: &[usize], bucket: u32, launched: Instant, bytes: usize, name: impl Fn(usize) -> String) {
+fn log_sync(
+    layers: &[usize],
+    bucket: u32,
+    launched: Instant,
+    bytes: usize,
+    name: impl Fn(usize) -> String,
+) {
     tracing::debug!(
         "[SYNC] layer={} bucket={} bytes={} ms={:.3}",
-        layers.iter().map(|&l| name(l)).collect::<Vec<_>>().join("+"),
+        layers
+            .iter()
+            .map(|&l| name(l))
+            .collect::<Vec<_>>()
+            .join("+"),
         bucket,
         bytes,
         launched.elapsed().as_secs_f64() * 1e3

@@ -11,7 +11,12 @@ use crate::planning::{build_plan, PlanInputs};
 use crate::task::{ModelKind, Task, TaskData};
 
 fn digits_task(model: ModelKind) -> Task {
-    Task::new(model, "digits", TaskData::Images(Arc::new(load_digits_embedded()))).expect("valid pairing")
+    Task::new(
+        model,
+        "digits",
+        TaskData::Images(Arc::new(load_digits_embedded())),
+    )
+    .expect("valid pairing")
 }
 
 fn config(strategy: Strategy, steps: u64) -> TrainConfig {
@@ -22,7 +27,11 @@ fn config(strategy: Strategy, steps: u64) -> TrainConfig {
         batch: 16,
         lr: 0.05,
         warmup: 10,
-        optimizer: OptimizerConfig::Sgd { momentum: 0.9, weight_decay: 0.0, nesterov: true },
+        optimizer: OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+            nesterov: true,
+        },
         link: LinkModel::unshaped(),
         seed: 7,
         eval_every: 0,
@@ -50,7 +59,12 @@ fn run(task: &Task, cfg: &TrainConfig, period: u64, schedule: ScheduleKind) -> R
 #[test]
 fn every_strategy_learns_digits() {
     let task = digits_task(ModelKind::Mlp);
-    for strategy in [Strategy::Ssgd, Strategy::Wfbp, Strategy::LocalSgd, Strategy::DreamDdp] {
+    for strategy in [
+        Strategy::Ssgd,
+        Strategy::Wfbp,
+        Strategy::LocalSgd,
+        Strategy::DreamDdp,
+    ] {
         let report = run(&task, &config(strategy, 300), 4, ScheduleKind::Equal);
         let acc = report.test_accuracy.expect("classification");
         assert!(acc > 0.9, "{strategy}: test accuracy {acc}");
@@ -66,15 +80,30 @@ fn ssgd_and_wfbp_compute_the_same_model() {
     let a = run(&task, &config(Strategy::Ssgd, 60), 1, ScheduleKind::Equal);
     let b = run(&task, &config(Strategy::Wfbp, 60), 1, ScheduleKind::Equal);
     assert_eq!(a.bytes_sent, b.bytes_sent);
-    assert!((a.val_loss - b.val_loss).abs() < 1e-4, "{} vs {}", a.val_loss, b.val_loss);
+    assert!(
+        (a.val_loss - b.val_loss).abs() < 1e-4,
+        "{} vs {}",
+        a.val_loss,
+        b.val_loss
+    );
 }
 
 #[test]
 fn dreamddp_syncs_each_layer_once_per_period_and_quarter_of_the_bytes() {
     let task = digits_task(ModelKind::Mlp);
     let steps = 80;
-    let ssgd = run(&task, &config(Strategy::Ssgd, steps), 4, ScheduleKind::Equal);
-    let dream = run(&task, &config(Strategy::DreamDdp, steps), 4, ScheduleKind::Profiled);
+    let ssgd = run(
+        &task,
+        &config(Strategy::Ssgd, steps),
+        4,
+        ScheduleKind::Equal,
+    );
+    let dream = run(
+        &task,
+        &config(Strategy::DreamDdp, steps),
+        4,
+        ScheduleKind::Profiled,
+    );
     for (layer, count) in &dream.per_layer_syncs {
         assert_eq!(*count, steps / 4, "layer {layer}");
     }
@@ -89,8 +118,17 @@ fn dreamddp_syncs_each_layer_once_per_period_and_quarter_of_the_bytes() {
 #[test]
 fn localsgd_syncs_every_period() {
     let task = digits_task(ModelKind::Mlp);
-    let report = run(&task, &config(Strategy::LocalSgd, 40), 4, ScheduleKind::Equal);
-    assert!(report.per_layer_syncs.values().all(|c| *c == 10), "{:?}", report.per_layer_syncs);
+    let report = run(
+        &task,
+        &config(Strategy::LocalSgd, 40),
+        4,
+        ScheduleKind::Equal,
+    );
+    assert!(
+        report.per_layer_syncs.values().all(|c| *c == 10),
+        "{:?}",
+        report.per_layer_syncs
+    );
 }
 
 #[test]
@@ -103,19 +141,33 @@ fn shaped_link_slows_blocking_sync_more_than_dreamddp() {
     let params = task.build_model(0).param_count();
     let per_step = cfg.link.ring_allreduce_seconds(params * 4, cfg.workers);
     let ssgd = run(&task, &cfg, 4, ScheduleKind::Equal);
-    assert!(ssgd.train_seconds >= per_step * 30.0 * 0.99, "{} < {}", ssgd.train_seconds, per_step * 30.0);
+    assert!(
+        ssgd.train_seconds >= per_step * 30.0 * 0.99,
+        "{} < {}",
+        ssgd.train_seconds,
+        per_step * 30.0
+    );
 }
 
 #[test]
 fn cnn_and_evaluation_curve_on_digits() {
     let task = digits_task(ModelKind::Cnn);
     let mut cfg = config(Strategy::DreamDdp, 200);
-    cfg.optimizer = OptimizerConfig::AdamW { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
+    cfg.optimizer = OptimizerConfig::AdamW {
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    };
     cfg.lr = 2e-3;
     cfg.eval_every = 100;
     let report = run(&task, &cfg, 4, ScheduleKind::Profiled);
     assert_eq!(report.curve.len(), 2);
-    assert!(report.test_accuracy.expect("accuracy") > 0.85, "{:?}", report.test_accuracy);
+    assert!(
+        report.test_accuracy.expect("accuracy") > 0.85,
+        "{:?}",
+        report.test_accuracy
+    );
 }
 
 #[test]
@@ -136,11 +188,13 @@ fn bad_configs_are_errors_not_panics() {
         seed: 0,
     })
     .expect("plan");
-    let err = train(&task, &cfg, plan, Box::new(|_, _| {})).err().expect("zero workers is an error");
+    let Err(err) = train(&task, &cfg, plan, Box::new(|_, _| {})) else {
+        panic!("zero workers must be an error");
+    };
     assert!(err.to_string().contains("--workers"), "{err}");
 
     // DreamDDP asked for more steps per period than the model has sync units.
-    let err = build_plan(&PlanInputs {
+    let Err(err) = build_plan(&PlanInputs {
         task: &task,
         strategy: Strategy::DreamDdp,
         period: 8,
@@ -151,8 +205,8 @@ fn bad_configs_are_errors_not_panics() {
         workers: 2,
         batch: 16,
         seed: 0,
-    })
-    .err()
-    .expect("period 8 > 4 units");
+    }) else {
+        panic!("period 8 with 4 sync units must be an error");
+    };
     assert!(err.to_string().contains("period 8"), "{err}");
 }
