@@ -1,0 +1,212 @@
+//! End-to-end tests of the `dreamddp` binary: real processes, real training on the digits
+//! data set embedded in the binary (no ../shared needed), and the errors users see.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn dreamddp(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dreamddp"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("the dreamddp binary starts")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("dreamddp-e2e-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn train_writes_a_summary_with_the_documented_fields() {
+    let dir = scratch("train");
+    let out = dir.join("run.json");
+    let o = dreamddp(&[
+        "train",
+        "--quiet",
+        "--dataset",
+        "digits",
+        "--workers",
+        "2",
+        "--steps",
+        "300",
+        "--out",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("test accuracy"), "{}", text(&o));
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&out).expect("summary")).expect("json");
+    for key in [
+        "strategy",
+        "model",
+        "dataset",
+        "workers",
+        "steps",
+        "test_accuracy",
+        "bytes_sent",
+        "wall_seconds",
+    ] {
+        assert!(v.get(key).is_some(), "summary lacks {key}: {v}");
+    }
+    assert_eq!(v["strategy"], "dreamddp");
+    assert_eq!(v["dataset"], "digits");
+    let acc = v["test_accuracy"].as_f64().expect("accuracy");
+    assert!(acc > 0.9, "digits accuracy {acc}");
+    let syncs = v["per_layer_syncs"].as_object().expect("per-layer syncs");
+    assert_eq!(syncs.len(), 4, "{syncs:?}");
+    assert!(
+        syncs.values().all(|c| c.as_u64() == Some(75)),
+        "each layer once per 4 steps: {syncs:?}"
+    );
+}
+
+#[test]
+fn compare_writes_table_json_csv_and_plots() {
+    let dir = scratch("compare");
+    let o = dreamddp(&[
+        "train",
+        "--compare",
+        "--quiet",
+        "--dataset",
+        "digits",
+        "--workers",
+        "2",
+        "--steps",
+        "120",
+        "--eval-every",
+        "40",
+        "--strategies",
+        "ssgd,dreamddp",
+        "--out",
+        dir.to_str().expect("utf-8 path"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    assert!(t.contains("speedup/ssgd") && t.contains("dreamddp"), "{t}");
+    for f in [
+        "compare.json",
+        "curves.csv",
+        "metric_vs_step.svg",
+        "metric_vs_time.svg",
+    ] {
+        let p = dir.join(f);
+        assert!(
+            p.is_file() && std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0) > 100,
+            "{f} missing"
+        );
+    }
+    let reports: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("compare.json")).expect("json"))
+            .expect("json");
+    let arr = reports.as_array().expect("array of runs");
+    assert_eq!(arr.len(), 2);
+    let bytes = |i: usize| arr[i]["bytes_sent"].as_f64().expect("bytes");
+    assert!(
+        bytes(1) < bytes(0) / 3.0,
+        "dreamddp sends < 1/3 of ssgd's bytes"
+    );
+    let csv = std::fs::read_to_string(dir.join("curves.csv")).expect("csv");
+    assert_eq!(csv.lines().count(), 1 + 2 * 3, "{csv}");
+}
+
+#[test]
+fn config_file_supplies_flags_and_unknown_keys_are_named() {
+    let dir = scratch("config");
+    let good = dir.join("run.toml");
+    std::fs::write(
+        &good,
+        "dataset = \"digits\"\nstrategy = \"localsgd\"\nworkers = 2\nsteps = 40\n",
+    )
+    .expect("write");
+    let o = dreamddp(&[
+        "train",
+        "--quiet",
+        "--config",
+        good.to_str().expect("utf-8"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("localsgd mlp on digits"), "{}", text(&o));
+
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "dataset = \"digits\"\nstrategyy = \"ssgd\"\n").expect("write");
+    let o = dreamddp(&["train", "--quiet", "--config", bad.to_str().expect("utf-8")]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("strategyy"),
+        "error must name the key: {}",
+        text(&o)
+    );
+}
+
+#[test]
+fn bad_flags_get_clear_errors() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["train", "--dataset", "digits", "--strategy", "diloco"],
+            "valid: ssgd, wfbp, localsgd, dreamddp",
+        ),
+        (
+            &["train", "--dataset", "digits", "--period", "9"],
+            "period 9",
+        ),
+        (&["train", "--dataset", "digits", "--link", "1gbt"], "1gbt"),
+        (
+            &["train", "--dataset", "digits", "--model", "resnet"],
+            "expected one of: mlp, cnn, gpt-tiny",
+        ),
+        (
+            &["train", "--dataset", "digits", "--model", "gpt-tiny"],
+            "cannot train on data set 'digits'",
+        ),
+        (
+            &["train", "--dataset", "digits", "--layer-period", "nosuch=2"],
+            "nosuch",
+        ),
+        (
+            &[
+                "train",
+                "--dataset",
+                "mnist",
+                "--data-dir",
+                "/nonexistent-dreamddp",
+            ],
+            "--data-dir",
+        ),
+    ];
+    for (args, needle) in cases {
+        let o = dreamddp(args);
+        assert!(!o.status.success(), "{args:?} should fail");
+        let t = text(&o);
+        assert!(t.contains(needle), "{args:?}: expected '{needle}' in: {t}");
+        assert!(!t.contains("panicked"), "{args:?} panicked: {t}");
+    }
+}
+
+#[test]
+fn plan_prints_the_schedule() {
+    let o = dreamddp(&[
+        "plan",
+        "--dataset",
+        "digits",
+        "--strategy",
+        "dreamddp",
+        "--period",
+        "4",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    for layer in ["fc1", "fc2", "fc3", "head"] {
+        assert!(t.contains(layer), "{t}");
+    }
+}
