@@ -1,0 +1,84 @@
+//! Construction inputs of an aggregator: the layers it owns ([`OwnedLayer`]) and its tuning
+//! ([`AggregatorConfig`]: staleness function, `τ_max`, outer learning rate, round policy,
+//! broadcast codec).
+
+use engine::staleness::StalenessFn;
+use protocol::Codec;
+
+use crate::error::AggregatorError;
+
+/// A node's id on the wire (`node_id` fields of the protocol).
+pub type NodeId = u64;
+
+/// A layer the aggregator owns, with its initial global values (version 0).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OwnedLayer {
+    /// Layer index in the model's layer manifest.
+    pub layer_id: u32,
+    /// Layer name (logs, sanity checks, echoed in broadcasts).
+    pub name: String,
+    /// Tensor shape, row-major; every delta must carry exactly this shape.
+    pub shape: Vec<u32>,
+    /// Initial values; length = product of `shape`.
+    pub values: Vec<f32>,
+}
+
+/// How an aggregator averages and when it closes a round.
+///
+/// **Round policy.** Accepted deltas of a layer are accumulated into a round; the round is
+/// applied (one `aggregate` call, one version bump) as soon as deltas from `round_size`
+/// *distinct* senders are in it, or `round_timeout_ns` after its first delta arrived
+/// (whichever comes first, timeout via [`crate::AggregatorState::handle_timeout`]).
+/// `round_size = 1` is fully asynchronous: every delta is applied on arrival,
+/// `θ ← θ + η·Δ`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AggregatorConfig {
+    /// Staleness discount `s(τ)` in the weights `wᵢ = nᵢ·s(τᵢ)`.
+    pub staleness: StalenessFn,
+    /// Deltas whose base is more than `tau_max` versions behind are dropped and the sender
+    /// is told to re-sync.
+    pub tau_max: u64,
+    /// Outer learning rate `η` in `θ ← θ + η · Σ wᵢΔᵢ / Σ wᵢ`.
+    pub outer_lr: f32,
+    /// Distinct senders that close a round (≥ 1).
+    pub round_size: usize,
+    /// A round with at least one delta is applied this many nanoseconds after its first
+    /// delta arrived, even if it has fewer than `round_size` senders.
+    pub round_timeout_ns: u64,
+    /// Codec of broadcast [`protocol::LayerVersion`] payloads. A `Zstd*` codec means "zstd
+    /// when it shrinks". Lossy codecs make nodes see a quantized global version.
+    pub broadcast_codec: Codec,
+    /// When a delta is dropped with a [`protocol::Resync`], also send the sender the
+    /// current [`protocol::LayerVersion`] so it can rebase without waiting for the next
+    /// broadcast.
+    pub send_version_on_resync: bool,
+}
+
+impl Default for AggregatorConfig {
+    fn default() -> Self {
+        AggregatorConfig {
+            staleness: StalenessFn::default(),
+            tau_max: 8,
+            outer_lr: 1.0,
+            round_size: 1,
+            round_timeout_ns: 1_000_000_000,
+            broadcast_codec: Codec::RawF32,
+            send_version_on_resync: true,
+        }
+    }
+}
+
+impl AggregatorConfig {
+    /// Checks the parameters: a valid staleness function, a finite positive `outer_lr`,
+    /// `round_size ≥ 1`.
+    pub fn validate(&self) -> Result<(), AggregatorError> {
+        self.staleness.validate()?;
+        if !(self.outer_lr.is_finite() && self.outer_lr > 0.0) {
+            return Err(AggregatorError::BadOuterLr(self.outer_lr));
+        }
+        if self.round_size == 0 {
+            return Err(AggregatorError::ZeroRoundSize);
+        }
+        Ok(())
+    }
+}

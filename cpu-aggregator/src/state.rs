@@ -1,0 +1,670 @@
+//! The aggregator state machine: per-layer values and versions, at-most-once dedup of
+//! deltas, staleness checks, rounds of staleness-weighted averaging, acks and broadcasts.
+//!
+//! ## Semantics of a [`Message::LayerDelta`] from node `from`
+//!
+//! Checked in this order; the first failing check decides the answer:
+//!
+//! 1. the payload's `node_id` is `from`, the layer is owned ([`protocol::ErrorCode::NotOwner`]
+//!    otherwise), the shape is the layer's and `sample_count > 0`
+//!    ([`protocol::ErrorCode::BadRequest`] otherwise) — rejections are answered with an
+//!    [`ErrorReply`] and reported as [`AggEvent::BadInput`];
+//! 2. **at-most-once:** the aggregator keeps, per `(node, layer)`, the highest `seq` it has
+//!    applied. A node sends its deltas of one layer in increasing `seq` order and never
+//!    sends `seq + 1` before `seq` is resolved (acked or dropped), so `seq ≤ highest` means
+//!    "already applied": it is answered `DeltaAck { applied: false }` and reported as
+//!    [`AggEvent::DuplicateRejected`]. A `seq` already waiting in the open round is also a
+//!    duplicate, but gets no ack yet — the ack follows when the round is applied;
+//! 3. staleness `τ = version − base_version`: a base in the future gets
+//!    `Resync { UnknownBaseVersion }`, `τ > τ_max` gets `Resync { TooStale }` (plus, by
+//!    default, the current [`LayerVersion`] so the node can rebase at once), both reported
+//!    as [`AggEvent::DroppedStale`];
+//! 4. the payload decodes and is finite (else `BadRequest`), and the delta joins the
+//!    layer's open round. The round is applied by the [`AggregatorConfig`] round policy.
+//!
+//! Applying a round: `θ ← θ + η · Σ wᵢΔᵢ / Σ wᵢ` (`wᵢ = nᵢ·s(τᵢ)`), version + 1, then
+//! outputs in this order: [`AggEvent::Applied`], one `DeltaAck { applied: true }` per
+//! contributor, one [`Output::Broadcast`] of the new [`LayerVersion`].
+
+use std::collections::{HashMap, VecDeque};
+
+use engine::staleness::{aggregate, DeltaContribution};
+use protocol::{
+    codec, CodecError, DeltaAck, ErrorReply, LayerPayload, LayerVersion, Message, Resync,
+    ResyncReason,
+};
+
+use crate::config::{AggregatorConfig, NodeId, OwnedLayer};
+use crate::error::{AggregatorError, InputError, SnapshotError};
+use crate::snapshot::{self, SnapshotData, SnapshotLayer};
+
+/// Something the driver must do, drained with [`AggregatorState::poll_output`].
+///
+/// **Durability.** An ack promises that the delta is in the global model. A shell that must
+/// survive `kill -9` persists [`AggregatorState::snapshot`] when it sees
+/// [`AggEvent::Applied`], before transmitting the acks queued after it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Output {
+    /// Send `msg` to node `to`.
+    Send {
+        /// Destination node.
+        to: NodeId,
+        /// The message.
+        msg: Message,
+    },
+    /// Send `msg` to every node subscribed to this aggregator's layers (the shell keeps the
+    /// subscriber set, e.g. every node that joined).
+    Broadcast {
+        /// The message.
+        msg: Message,
+    },
+    /// Something worth logging or counting.
+    Event(AggEvent),
+}
+
+/// What happened inside the aggregator.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AggEvent {
+    /// A round was applied to a layer.
+    Applied {
+        /// The layer.
+        layer_id: u32,
+        /// Its new version.
+        version: u64,
+        /// Deltas averaged in.
+        n_deltas: usize,
+        /// Staleness `τ` of each applied delta, in arrival order.
+        staleness: Vec<u64>,
+    },
+    /// A delta was dropped and its sender told to re-sync.
+    DroppedStale {
+        /// Sender.
+        from: NodeId,
+        /// Layer.
+        layer_id: u32,
+        /// The delta's seq.
+        seq: u64,
+        /// Why (too stale, or a base version from the future).
+        reason: ResyncReason,
+    },
+    /// A delta already applied (or already waiting in the open round) arrived again.
+    DuplicateRejected {
+        /// Sender.
+        from: NodeId,
+        /// Layer.
+        layer_id: u32,
+        /// The repeated seq.
+        seq: u64,
+    },
+    /// A message was rejected with an error reply.
+    BadInput {
+        /// Sender.
+        from: NodeId,
+        /// What was wrong.
+        reason: InputError,
+    },
+    /// A peer sent us an error reply.
+    PeerError {
+        /// Sender.
+        from: NodeId,
+        /// Its error.
+        error: ErrorReply,
+    },
+    /// A round could not be applied (an internal inconsistency); its deltas were dropped
+    /// unacknowledged, so their senders retransmit them.
+    InternalError {
+        /// The layer.
+        layer_id: u32,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// Running totals of an aggregator (kept across [`AggregatorState::snapshot`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AggregatorCounters {
+    /// `LayerDelta` messages received (valid or not).
+    pub deltas_received: u64,
+    /// Deltas folded into a layer.
+    pub deltas_applied: u64,
+    /// Rounds applied (= version bumps).
+    pub rounds_applied: u64,
+    /// Duplicates rejected (at-most-once).
+    pub duplicates_rejected: u64,
+    /// Deltas dropped for staleness or an unknown base version.
+    pub dropped_stale: u64,
+    /// Messages rejected as bad input.
+    pub bad_inputs: u64,
+    /// Tensor payload bytes received in deltas.
+    pub bytes_in: u64,
+    /// Tensor payload bytes sent in layer versions (a broadcast counts once).
+    pub bytes_out: u64,
+}
+
+/// Read-only view of one owned layer.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerView<'a> {
+    /// Layer id.
+    pub layer_id: u32,
+    /// Layer name.
+    pub name: &'a str,
+    /// Shape.
+    pub shape: &'a [u32],
+    /// Current global values.
+    pub values: &'a [f32],
+    /// Current global version.
+    pub version: u64,
+    /// Deltas waiting in the open round.
+    pub pending: usize,
+}
+
+/// A delta accepted into a layer's open round.
+#[derive(Clone, Debug)]
+struct PendingDelta {
+    from: NodeId,
+    seq: u64,
+    samples: u64,
+    tau: u64,
+    delta: Vec<f32>,
+}
+
+#[derive(Clone, Debug)]
+struct LayerState {
+    layer_id: u32,
+    name: String,
+    shape: Vec<u32>,
+    values: Vec<f32>,
+    version: u64,
+    pending: Vec<PendingDelta>,
+    round_started_at: Option<u64>,
+}
+
+/// The aggregator of one shard of layers. See the [module docs](self) for the semantics.
+#[derive(Clone, Debug)]
+pub struct AggregatorState {
+    id: NodeId,
+    config: AggregatorConfig,
+    layers: Vec<LayerState>,
+    index: HashMap<u32, usize>,
+    highest_applied_seq: HashMap<(NodeId, u32), u64>,
+    outputs: VecDeque<Output>,
+    counters: AggregatorCounters,
+}
+
+impl AggregatorState {
+    /// An aggregator `id` owning `layers` (each at version 0 with the given values).
+    pub fn new(
+        id: NodeId,
+        layers: Vec<OwnedLayer>,
+        config: AggregatorConfig,
+    ) -> Result<Self, AggregatorError> {
+        config.validate()?;
+        let mut state = AggregatorState {
+            id,
+            config,
+            layers: Vec::with_capacity(layers.len()),
+            index: HashMap::with_capacity(layers.len()),
+            highest_applied_seq: HashMap::new(),
+            outputs: VecDeque::new(),
+            counters: AggregatorCounters::default(),
+        };
+        for layer in layers {
+            state.add_layer(layer, 0)?;
+        }
+        Ok(state)
+    }
+
+    fn add_layer(&mut self, layer: OwnedLayer, version: u64) -> Result<(), AggregatorError> {
+        let shape_len = layer
+            .shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(u64::from(d)))
+            .unwrap_or(u64::MAX);
+        if shape_len != layer.values.len() as u64 {
+            return Err(AggregatorError::ShapeMismatch {
+                layer_id: layer.layer_id,
+                shape: layer.shape,
+                shape_len,
+                len: layer.values.len(),
+            });
+        }
+        if let Some(index) = layer.values.iter().position(|v| !v.is_finite()) {
+            return Err(AggregatorError::NonFiniteValue {
+                layer_id: layer.layer_id,
+                index,
+            });
+        }
+        if self.index.contains_key(&layer.layer_id) {
+            return Err(AggregatorError::DuplicateLayer {
+                layer_id: layer.layer_id,
+            });
+        }
+        self.index.insert(layer.layer_id, self.layers.len());
+        self.layers.push(LayerState {
+            layer_id: layer.layer_id,
+            name: layer.name,
+            shape: layer.shape,
+            values: layer.values,
+            version,
+            pending: Vec::new(),
+            round_started_at: None,
+        });
+        Ok(())
+    }
+
+    /// This aggregator's node id.
+    pub fn id(&self) -> NodeId {
+        self.id
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &AggregatorConfig {
+        &self.config
+    }
+
+    /// Running totals.
+    pub fn counters(&self) -> AggregatorCounters {
+        self.counters
+    }
+
+    /// Ids of the owned layers, in construction order.
+    pub fn layer_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.layers.iter().map(|l| l.layer_id)
+    }
+
+    /// A view of an owned layer, `None` if not owned.
+    pub fn layer(&self, layer_id: u32) -> Option<LayerView<'_>> {
+        let l = &self.layers[*self.index.get(&layer_id)?];
+        Some(LayerView {
+            layer_id: l.layer_id,
+            name: &l.name,
+            shape: &l.shape,
+            values: &l.values,
+            version: l.version,
+            pending: l.pending.len(),
+        })
+    }
+
+    /// Highest applied seq of `(node, layer)`, if any delta of it was applied.
+    pub fn highest_applied_seq(&self, node: NodeId, layer_id: u32) -> Option<u64> {
+        self.highest_applied_seq.get(&(node, layer_id)).copied()
+    }
+
+    /// Next queued output, `None` when there is nothing to do.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.outputs.pop_front()
+    }
+
+    /// The earliest time (nanoseconds) at which [`Self::handle_timeout`] has work: the
+    /// deadline of the oldest open round. `None` when no round is open.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.layers
+            .iter()
+            .filter_map(|l| l.round_started_at)
+            .map(|t| t.saturating_add(self.config.round_timeout_ns))
+            .min()
+    }
+
+    /// Applies every open round whose deadline is `≤ now`.
+    pub fn handle_timeout(&mut self, now: u64) {
+        for li in 0..self.layers.len() {
+            let due = self.layers[li]
+                .round_started_at
+                .is_some_and(|t| t.saturating_add(self.config.round_timeout_ns) <= now);
+            if due {
+                self.apply_round(li);
+            }
+        }
+    }
+
+    /// Handles one message from node `from` (as identified by the transport). Never panics
+    /// on bad input; answers are queued for [`Self::poll_output`].
+    pub fn handle_message(&mut self, now: u64, from: NodeId, msg: Message) {
+        match msg {
+            Message::LayerDelta(payload) => self.handle_delta(now, from, payload),
+            Message::Error(error) => self
+                .outputs
+                .push_back(Output::Event(AggEvent::PeerError { from, error })),
+            other => {
+                let kind = match other {
+                    Message::Join(_) => "Join",
+                    Message::JoinAck(_) => "JoinAck",
+                    Message::Heartbeat(_) => "Heartbeat",
+                    Message::Leave(_) => "Leave",
+                    Message::LayerVersion(_) => "LayerVersion",
+                    Message::DeltaAck(_) => "DeltaAck",
+                    Message::Resync(_) => "Resync",
+                    Message::LayerDelta(_) | Message::Error(_) => "unexpected",
+                };
+                self.reject(from, InputError::Unexpected { kind });
+            }
+        }
+    }
+
+    fn reject(&mut self, from: NodeId, reason: InputError) {
+        self.counters.bad_inputs += 1;
+        self.outputs.push_back(Output::Send {
+            to: from,
+            msg: Message::Error(ErrorReply {
+                code: reason.code(),
+                text: reason.to_string(),
+            }),
+        });
+        self.outputs
+            .push_back(Output::Event(AggEvent::BadInput { from, reason }));
+    }
+
+    fn handle_delta(&mut self, now: u64, from: NodeId, p: LayerPayload) {
+        self.counters.deltas_received += 1;
+        self.counters.bytes_in += p.payload.len() as u64;
+        let layer_id = p.layer_id;
+        if p.node_id != from {
+            return self.reject(
+                from,
+                InputError::NodeMismatch {
+                    claimed: p.node_id,
+                    from,
+                },
+            );
+        }
+        let Some(&li) = self.index.get(&layer_id) else {
+            return self.reject(from, InputError::NotOwner { layer_id });
+        };
+        let layer = &self.layers[li];
+        if p.shape != layer.shape {
+            let reason = InputError::ShapeMismatch {
+                layer_id,
+                expected: layer.shape.clone(),
+                got: p.shape,
+            };
+            return self.reject(from, reason);
+        }
+        if p.sample_count == 0 {
+            return self.reject(from, InputError::ZeroSamples { layer_id });
+        }
+
+        let applied_high = self.highest_applied_seq.get(&(from, layer_id)).copied();
+        let in_round = layer
+            .pending
+            .iter()
+            .any(|d| d.from == from && d.seq >= p.seq);
+        if applied_high.is_some_and(|h| p.seq <= h) || in_round {
+            self.counters.duplicates_rejected += 1;
+            if !in_round {
+                self.outputs.push_back(Output::Send {
+                    to: from,
+                    msg: Message::DeltaAck(DeltaAck {
+                        node_id: from,
+                        layer_id,
+                        seq: p.seq,
+                        applied: false,
+                        new_version: layer.version,
+                    }),
+                });
+            }
+            self.outputs
+                .push_back(Output::Event(AggEvent::DuplicateRejected {
+                    from,
+                    layer_id,
+                    seq: p.seq,
+                }));
+            return;
+        }
+
+        let version = layer.version;
+        let stale = if p.base_version > version {
+            Some(ResyncReason::UnknownBaseVersion)
+        } else if version - p.base_version > self.config.tau_max {
+            Some(ResyncReason::TooStale {
+                staleness: version - p.base_version,
+                max_staleness: self.config.tau_max,
+            })
+        } else {
+            None
+        };
+        if let Some(reason) = stale {
+            return self.drop_stale(li, from, p.seq, reason);
+        }
+
+        let delta = match p.decode_values() {
+            Ok(delta) => delta,
+            Err(source) => return self.reject(from, InputError::Decode { layer_id, source }),
+        };
+        if let Some(index) = delta.iter().position(|v| !v.is_finite()) {
+            return self.reject(from, InputError::NonFinite { layer_id, index });
+        }
+        let layer = &mut self.layers[li];
+        layer.pending.push(PendingDelta {
+            from,
+            seq: p.seq,
+            samples: p.sample_count,
+            tau: version - p.base_version,
+            delta,
+        });
+        layer.round_started_at.get_or_insert(now);
+        let mut senders: Vec<NodeId> = layer.pending.iter().map(|d| d.from).collect();
+        senders.sort_unstable();
+        senders.dedup();
+        if senders.len() >= self.config.round_size {
+            self.apply_round(li);
+        }
+    }
+
+    fn drop_stale(&mut self, li: usize, from: NodeId, seq: u64, reason: ResyncReason) {
+        self.counters.dropped_stale += 1;
+        let layer = &self.layers[li];
+        let layer_id = layer.layer_id;
+        self.outputs.push_back(Output::Send {
+            to: from,
+            msg: Message::Resync(Resync {
+                layer_id,
+                current_version: layer.version,
+                reason,
+            }),
+        });
+        if self.config.send_version_on_resync {
+            match self.layer_version_message(li) {
+                Ok(msg) => self.outputs.push_back(Output::Send { to: from, msg }),
+                Err(e) => self.internal_error(layer_id, e.to_string()),
+            }
+        }
+        self.outputs
+            .push_back(Output::Event(AggEvent::DroppedStale {
+                from,
+                layer_id,
+                seq,
+                reason,
+            }));
+    }
+
+    fn internal_error(&mut self, layer_id: u32, reason: String) {
+        self.outputs
+            .push_back(Output::Event(AggEvent::InternalError { layer_id, reason }));
+    }
+
+    /// The current [`LayerVersion`] message of layer index `li`, encoded with the
+    /// broadcast codec. Counts its bytes as sent.
+    fn layer_version_message(&mut self, li: usize) -> Result<Message, CodecError> {
+        let layer = &self.layers[li];
+        let codec_choice = self.config.broadcast_codec;
+        let plain = codec::encode(&layer.values, codec_choice.base())?;
+        let encoded = if codec_choice.is_zstd() {
+            codec::maybe_compress(plain)?
+        } else {
+            plain
+        };
+        self.counters.bytes_out += encoded.bytes.len() as u64;
+        Ok(Message::LayerVersion(LayerVersion {
+            aggregator_id: self.id,
+            layer_id: layer.layer_id,
+            layer_name: layer.name.clone(),
+            version: layer.version,
+            shape: layer.shape.clone(),
+            codec: encoded.codec,
+            payload: encoded.bytes,
+        }))
+    }
+
+    /// The current version of an owned layer as a [`LayerVersion`] message (e.g. for a node
+    /// that just joined). `None` if the layer is not owned.
+    pub fn current_version_message(
+        &mut self,
+        layer_id: u32,
+    ) -> Option<Result<Message, CodecError>> {
+        let li = *self.index.get(&layer_id)?;
+        Some(self.layer_version_message(li))
+    }
+
+    /// Applies the open round of layer index `li` (no-op when it is empty).
+    fn apply_round(&mut self, li: usize) {
+        let layer = &mut self.layers[li];
+        layer.round_started_at = None;
+        let pending = std::mem::take(&mut layer.pending);
+        if pending.is_empty() {
+            return;
+        }
+        let layer_id = layer.layer_id;
+        let contributions: Vec<DeltaContribution<'_>> = pending
+            .iter()
+            .map(|d| DeltaContribution {
+                delta: &d.delta,
+                samples: d.samples,
+                tau: d.tau,
+            })
+            .collect();
+        let outcome = match aggregate(
+            &mut layer.values,
+            &contributions,
+            self.config.staleness,
+            self.config.outer_lr,
+            self.config.tau_max,
+        ) {
+            Ok(outcome) => outcome,
+            Err(e) => return self.internal_error(layer_id, e.to_string()),
+        };
+        drop(contributions);
+        // τ was checked on arrival and the version has not moved since, so nothing is
+        // dropped here; handle it anyway rather than assume.
+        for &i in &outcome.dropped_stale {
+            let d = &pending[i];
+            let staleness = d.tau;
+            self.drop_stale(
+                li,
+                d.from,
+                d.seq,
+                ResyncReason::TooStale {
+                    staleness,
+                    max_staleness: self.config.tau_max,
+                },
+            );
+        }
+        if outcome.applied == 0 {
+            return;
+        }
+        let layer = &mut self.layers[li];
+        layer.version += 1;
+        let version = layer.version;
+        self.counters.rounds_applied += 1;
+        self.counters.deltas_applied += outcome.applied as u64;
+        let applied = pending
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !outcome.dropped_stale.contains(i))
+            .map(|(_, d)| d);
+        self.outputs.push_back(Output::Event(AggEvent::Applied {
+            layer_id,
+            version,
+            n_deltas: outcome.applied,
+            staleness: applied.clone().map(|d| d.tau).collect(),
+        }));
+        for d in applied {
+            let high = self
+                .highest_applied_seq
+                .entry((d.from, layer_id))
+                .or_insert(d.seq);
+            *high = (*high).max(d.seq);
+            self.outputs.push_back(Output::Send {
+                to: d.from,
+                msg: Message::DeltaAck(DeltaAck {
+                    node_id: d.from,
+                    layer_id,
+                    seq: d.seq,
+                    applied: true,
+                    new_version: version,
+                }),
+            });
+        }
+        match self.layer_version_message(li) {
+            Ok(msg) => self.outputs.push_back(Output::Broadcast { msg }),
+            Err(e) => self.internal_error(layer_id, e.to_string()),
+        }
+    }
+
+    /// The whole shard (ids, names, shapes, values, versions, the dedup seq table and the
+    /// counters) as checksummed bytes; see [`crate::snapshot`]. Open rounds are not included:
+    /// their deltas were never acknowledged, so their senders retransmit them.
+    pub fn snapshot(&self) -> Vec<u8> {
+        let mut seq_table: Vec<(u64, u32, u64)> = self
+            .highest_applied_seq
+            .iter()
+            .map(|(&(node, layer), &seq)| (node, layer, seq))
+            .collect();
+        seq_table.sort_unstable();
+        let data = SnapshotData {
+            aggregator_id: self.id,
+            counters: self.counters,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| SnapshotLayer {
+                    layer: OwnedLayer {
+                        layer_id: l.layer_id,
+                        name: l.name.clone(),
+                        shape: l.shape.clone(),
+                        values: l.values.clone(),
+                    },
+                    version: l.version,
+                })
+                .collect(),
+            seq_table,
+        };
+        snapshot::encode(&data)
+    }
+
+    /// Rebuilds an aggregator from [`Self::snapshot`] bytes (validated: magic, format
+    /// version, checksum, structure). Because versions may have been rewound relative to
+    /// what nodes saw, the restored aggregator queues, per layer, a broadcast
+    /// `Resync { AggregatorRestarted }` followed by the layer's current [`LayerVersion`].
+    pub fn restore(bytes: &[u8], config: AggregatorConfig) -> Result<Self, SnapshotError> {
+        let data = snapshot::decode(bytes)?;
+        let mut state = AggregatorState::new(data.aggregator_id, Vec::new(), config)
+            .map_err(|e| SnapshotError::Malformed(format!("configuration: {e}")))?;
+        for l in data.layers {
+            state
+                .add_layer(l.layer, l.version)
+                .map_err(|e| SnapshotError::Malformed(e.to_string()))?;
+        }
+        for (node, layer, seq) in data.seq_table {
+            state.highest_applied_seq.insert((node, layer), seq);
+        }
+        state.counters = data.counters;
+        for li in 0..state.layers.len() {
+            let layer = &state.layers[li];
+            state.outputs.push_back(Output::Broadcast {
+                msg: Message::Resync(Resync {
+                    layer_id: layer.layer_id,
+                    current_version: layer.version,
+                    reason: ResyncReason::AggregatorRestarted,
+                }),
+            });
+            match state.layer_version_message(li) {
+                Ok(msg) => state.outputs.push_back(Output::Broadcast { msg }),
+                Err(e) => {
+                    let id = state.layers[li].layer_id;
+                    state.internal_error(id, e.to_string())
+                }
+            }
+        }
+        Ok(state)
+    }
+}

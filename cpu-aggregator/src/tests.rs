@@ -1,0 +1,437 @@
+//! Unit tests of the aggregator state machine and its snapshots (deterministic; messages are
+//! handed in directly with a virtual `now`).
+
+use engine::staleness::StalenessFn;
+use proptest::prelude::*;
+use protocol::{
+    payload_from_f32, Codec, DeltaAck, ErrorCode, Heartbeat, LayerMeta, Message, ResyncReason,
+};
+
+use crate::{
+    AggEvent, AggregatorConfig, AggregatorState, InputError, Output, OwnedLayer, SnapshotError,
+};
+
+const AGG: u64 = 100;
+
+fn layer(id: u32, values: Vec<f32>) -> OwnedLayer {
+    OwnedLayer {
+        layer_id: id,
+        name: format!("l{id}"),
+        shape: vec![values.len() as u32],
+        values,
+    }
+}
+
+fn agg(config: AggregatorConfig) -> AggregatorState {
+    AggregatorState::new(
+        AGG,
+        vec![layer(0, vec![1.0; 4]), layer(1, vec![0.0; 2])],
+        config,
+    )
+    .unwrap()
+}
+
+fn delta(node: u64, layer_id: u32, seq: u64, base: u64, samples: u64, d: &[f32]) -> Message {
+    let meta = LayerMeta {
+        node_id: node,
+        layer_id,
+        layer_name: format!("l{layer_id}"),
+        step: 0,
+        base_version: base,
+        version: base,
+        seq,
+        sample_count: samples,
+    };
+    Message::LayerDelta(payload_from_f32(meta, &[d.len() as u32], d, Codec::RawF32).unwrap())
+}
+
+fn drain(a: &mut AggregatorState) -> Vec<Output> {
+    std::iter::from_fn(|| a.poll_output()).collect()
+}
+
+fn acks(outs: &[Output]) -> Vec<(u64, DeltaAck)> {
+    outs.iter()
+        .filter_map(|o| match o {
+            Output::Send {
+                to,
+                msg: Message::DeltaAck(a),
+            } => Some((*to, *a)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn async_round_applies_on_arrival_and_broadcasts() {
+    let mut a = agg(AggregatorConfig::default());
+    a.handle_message(5, 7, delta(7, 0, 1, 0, 32, &[1.0, -2.0, 0.5, 0.0]));
+    let outs = drain(&mut a);
+    assert_eq!(a.layer(0).unwrap().values, [2.0, -1.0, 1.5, 1.0]);
+    assert_eq!(a.layer(0).unwrap().version, 1);
+    assert!(
+        matches!(&outs[0], Output::Event(AggEvent::Applied { layer_id: 0, version: 1, n_deltas: 1, staleness }) if staleness == &[0])
+    );
+    assert_eq!(
+        acks(&outs),
+        [(
+            7,
+            DeltaAck {
+                node_id: 7,
+                layer_id: 0,
+                seq: 1,
+                applied: true,
+                new_version: 1
+            }
+        )]
+    );
+    let Some(Output::Broadcast {
+        msg: Message::LayerVersion(v),
+    }) = outs.last()
+    else {
+        panic!("no broadcast: {outs:?}")
+    };
+    assert_eq!((v.version, v.aggregator_id), (1, AGG));
+    assert_eq!(v.decode_values().unwrap(), [2.0, -1.0, 1.5, 1.0]);
+    assert_eq!(a.highest_applied_seq(7, 0), Some(1));
+    assert_eq!(a.counters().bytes_in, 16);
+    assert_eq!(a.counters().bytes_out, 16);
+    assert_eq!(a.poll_timeout(), None);
+}
+
+#[test]
+fn round_waits_for_distinct_senders_or_times_out() {
+    let config = AggregatorConfig {
+        round_size: 2,
+        round_timeout_ns: 1_000,
+        outer_lr: 0.5,
+        staleness: StalenessFn::Constant,
+        ..Default::default()
+    };
+    let mut a = agg(config);
+    a.handle_message(10, 1, delta(1, 1, 1, 0, 10, &[2.0, 0.0]));
+    assert!(drain(&mut a).is_empty());
+    // A retransmission of the waiting delta is a duplicate without an ack (the ack follows).
+    a.handle_message(11, 1, delta(1, 1, 1, 0, 10, &[2.0, 0.0]));
+    let outs = drain(&mut a);
+    assert!(acks(&outs).is_empty());
+    assert!(matches!(
+        outs[..],
+        [Output::Event(AggEvent::DuplicateRejected {
+            from: 1,
+            seq: 1,
+            ..
+        })]
+    ));
+    a.handle_message(20, 2, delta(2, 1, 9, 0, 30, &[0.0, 4.0]));
+    let outs = drain(&mut a);
+    // θ += 0.5·(10·(2,0) + 30·(0,4))/40 = (0.25, 1.5)
+    assert_eq!(a.layer(1).unwrap().values, [0.25, 1.5]);
+    assert_eq!(acks(&outs).len(), 2);
+
+    a.handle_message(100, 3, delta(3, 1, 1, 1, 1, &[1.0, 1.0]));
+    assert_eq!(a.poll_timeout(), Some(1_100));
+    a.handle_timeout(1_099);
+    assert_eq!(a.layer(1).unwrap().version, 1);
+    a.handle_timeout(1_100);
+    assert_eq!(a.layer(1).unwrap().version, 2);
+    assert_eq!(a.layer(1).unwrap().values, [0.75, 2.0]);
+    assert_eq!(a.poll_timeout(), None);
+}
+
+#[test]
+fn duplicates_are_rejected_with_an_unapplied_ack() {
+    let mut a = agg(AggregatorConfig::default());
+    a.handle_message(0, 4, delta(4, 0, 5, 0, 1, &[1.0; 4]));
+    drain(&mut a);
+    for seq in [5, 3] {
+        a.handle_message(1, 4, delta(4, 0, seq, 0, 1, &[1.0; 4]));
+        let outs = drain(&mut a);
+        assert_eq!(
+            acks(&outs),
+            [(
+                4,
+                DeltaAck {
+                    node_id: 4,
+                    layer_id: 0,
+                    seq,
+                    applied: false,
+                    new_version: 1
+                }
+            )]
+        );
+        assert!(outs.contains(&Output::Event(AggEvent::DuplicateRejected {
+            from: 4,
+            layer_id: 0,
+            seq
+        })));
+    }
+    assert_eq!(a.layer(0).unwrap().values, [2.0; 4]);
+    assert_eq!(a.counters().duplicates_rejected, 2);
+    assert_eq!(a.counters().deltas_applied, 1);
+    // Same seq on another layer, or from another node, is not a duplicate.
+    a.handle_message(2, 4, delta(4, 1, 5, 0, 1, &[1.0; 2]));
+    a.handle_message(2, 8, delta(8, 0, 5, 1, 1, &[1.0; 4]));
+    assert_eq!(a.counters().deltas_applied, 3);
+}
+
+#[test]
+fn stale_and_future_bases_get_a_resync_and_the_current_version() {
+    let config = AggregatorConfig {
+        tau_max: 1,
+        ..Default::default()
+    };
+    let mut a = agg(config);
+    for seq in 1..=3 {
+        a.handle_message(0, 1, delta(1, 0, seq, seq - 1, 1, &[0.0; 4]));
+    }
+    drain(&mut a);
+    assert_eq!(a.layer(0).unwrap().version, 3);
+    // τ = 3 − 1 = 2 > 1.
+    a.handle_message(1, 2, delta(2, 0, 1, 1, 1, &[5.0; 4]));
+    let outs = drain(&mut a);
+    let reason = ResyncReason::TooStale {
+        staleness: 2,
+        max_staleness: 1,
+    };
+    assert!(
+        matches!(&outs[0], Output::Send { to: 2, msg: Message::Resync(r) } if r.reason == reason && r.current_version == 3)
+    );
+    assert!(
+        matches!(&outs[1], Output::Send { to: 2, msg: Message::LayerVersion(v) } if v.version == 3)
+    );
+    assert_eq!(
+        outs[2],
+        Output::Event(AggEvent::DroppedStale {
+            from: 2,
+            layer_id: 0,
+            seq: 1,
+            reason
+        })
+    );
+    // τ = 1 is fine.
+    a.handle_message(1, 2, delta(2, 0, 2, 2, 1, &[5.0; 4]));
+    assert_eq!(a.layer(0).unwrap().version, 4);
+    drain(&mut a);
+    a.handle_message(1, 2, delta(2, 0, 3, 9, 1, &[5.0; 4]));
+    let outs = drain(&mut a);
+    assert!(
+        matches!(&outs[0], Output::Send { msg: Message::Resync(r), .. } if r.reason == ResyncReason::UnknownBaseVersion)
+    );
+    assert_eq!(a.counters().dropped_stale, 2);
+}
+
+fn error_reply(outs: &[Output]) -> (u64, ErrorCode) {
+    match &outs[0] {
+        Output::Send {
+            to,
+            msg: Message::Error(e),
+        } => (*to, e.code),
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_input_is_rejected_with_typed_errors_and_serving_goes_on() {
+    let mut a = agg(AggregatorConfig::default());
+    let check = |a: &mut AggregatorState,
+                 from: u64,
+                 msg: Message,
+                 code: ErrorCode,
+                 want: &dyn Fn(&InputError) -> bool| {
+        a.handle_message(0, from, msg);
+        let outs = drain(a);
+        assert_eq!(error_reply(&outs), (from, code));
+        let Output::Event(AggEvent::BadInput { reason, .. }) = &outs[1] else {
+            panic!("{outs:?}")
+        };
+        assert!(want(reason), "{reason}");
+    };
+    check(
+        &mut a,
+        3,
+        delta(3, 9, 1, 0, 1, &[1.0]),
+        ErrorCode::NotOwner,
+        &|r| matches!(r, InputError::NotOwner { layer_id: 9 }),
+    );
+    check(
+        &mut a,
+        3,
+        delta(3, 0, 1, 0, 1, &[1.0; 3]),
+        ErrorCode::BadRequest,
+        &|r| matches!(r, InputError::ShapeMismatch { .. }),
+    );
+    check(
+        &mut a,
+        3,
+        delta(4, 0, 1, 0, 1, &[1.0; 4]),
+        ErrorCode::BadRequest,
+        &|r| {
+            matches!(
+                r,
+                InputError::NodeMismatch {
+                    claimed: 4,
+                    from: 3
+                }
+            )
+        },
+    );
+    check(
+        &mut a,
+        3,
+        delta(3, 0, 1, 0, 0, &[1.0; 4]),
+        ErrorCode::BadRequest,
+        &|r| matches!(r, InputError::ZeroSamples { .. }),
+    );
+    check(
+        &mut a,
+        3,
+        delta(3, 0, 1, 0, 1, &[1.0, f32::NAN, 0.0, 0.0]),
+        ErrorCode::BadRequest,
+        &|r| matches!(r, InputError::NonFinite { index: 1, .. }),
+    );
+    let Message::LayerDelta(mut truncated) = delta(3, 0, 1, 0, 1, &[1.0; 4]) else {
+        unreachable!()
+    };
+    truncated.payload.pop();
+    check(
+        &mut a,
+        3,
+        Message::LayerDelta(truncated),
+        ErrorCode::BadRequest,
+        &|r| matches!(r, InputError::Decode { .. }),
+    );
+    let hb = Message::Heartbeat(Heartbeat {
+        node_id: 3,
+        lease_ms: 1,
+        now_ms: 0,
+    });
+    check(&mut a, 3, hb, ErrorCode::BadRequest, &|r| {
+        matches!(r, InputError::Unexpected { kind: "Heartbeat" })
+    });
+    assert_eq!(a.counters().bad_inputs, 7);
+    assert_eq!(a.layer(0).unwrap().version, 0);
+    // Still serving, and the rejected seq 1 of node 3 was not recorded as applied.
+    a.handle_message(1, 3, delta(3, 0, 1, 0, 1, &[1.0; 4]));
+    assert_eq!(a.layer(0).unwrap().values, [2.0; 4]);
+}
+
+#[test]
+fn construction_rejects_bad_layers_and_config() {
+    assert!(AggregatorState::new(
+        1,
+        vec![layer(0, vec![1.0]), layer(0, vec![1.0])],
+        Default::default()
+    )
+    .is_err());
+    let mut bad = layer(0, vec![1.0; 3]);
+    bad.shape = vec![2, 2];
+    assert!(AggregatorState::new(1, vec![bad], Default::default()).is_err());
+    let config = AggregatorConfig {
+        round_size: 0,
+        ..Default::default()
+    };
+    assert!(AggregatorState::new(1, vec![], config).is_err());
+    let config = AggregatorConfig {
+        staleness: StalenessFn::Polynomial { a: -1.0 },
+        ..Default::default()
+    };
+    assert!(AggregatorState::new(1, vec![], config).is_err());
+}
+
+#[test]
+fn snapshot_round_trip_restores_values_versions_and_dedup() {
+    let mut a = agg(AggregatorConfig::default());
+    a.handle_message(0, 4, delta(4, 0, 5, 0, 1, &[1.0, 2.0, 3.0, 4.0]));
+    a.handle_message(0, 6, delta(6, 1, 2, 0, 1, &[0.5, 0.5]));
+    drain(&mut a);
+    let bytes = a.snapshot();
+    let mut b = AggregatorState::restore(&bytes, AggregatorConfig::default()).unwrap();
+    assert_eq!(b.id(), AGG);
+    // The restored aggregator re-broadcasts every layer, which counts as bytes out.
+    let mut restored = b.counters();
+    assert_eq!(restored.bytes_out, 2 * a.counters().bytes_out);
+    restored.bytes_out = a.counters().bytes_out;
+    assert_eq!(restored, a.counters());
+    for id in [0, 1] {
+        let (x, y) = (a.layer(id).unwrap(), b.layer(id).unwrap());
+        assert_eq!(
+            (x.values, x.version, x.name, x.shape),
+            (y.values, y.version, y.name, y.shape)
+        );
+    }
+    let outs = drain(&mut b);
+    assert!(
+        matches!(&outs[0], Output::Broadcast { msg: Message::Resync(r) } if r.reason == ResyncReason::AggregatorRestarted && r.current_version == 1)
+    );
+    assert!(matches!(
+        &outs[1],
+        Output::Broadcast {
+            msg: Message::LayerVersion(_)
+        }
+    ));
+    // Dedup survives the restart.
+    b.handle_message(1, 4, delta(4, 0, 5, 1, 1, &[1.0; 4]));
+    assert!(!acks(&drain(&mut b))[0].1.applied);
+}
+
+#[test]
+fn corrupt_snapshots_are_typed_errors() {
+    let a = agg(AggregatorConfig::default());
+    let bytes = a.snapshot();
+    let restore = |b: &[u8]| AggregatorState::restore(b, AggregatorConfig::default()).map(|_| ());
+    assert!(matches!(
+        restore(&bytes[..10]),
+        Err(SnapshotError::Truncated { .. })
+    ));
+    let mut bad = bytes.clone();
+    bad[0] = b'X';
+    assert_eq!(restore(&bad), Err(SnapshotError::BadMagic));
+    let mut bad = bytes.clone();
+    bad[8] = 9;
+    assert_eq!(restore(&bad), Err(SnapshotError::UnsupportedVersion(9)));
+    let mut bad = bytes.clone();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 0x10;
+    assert!(matches!(restore(&bad), Err(SnapshotError::Checksum { .. })));
+    assert!(matches!(
+        restore(&bytes[..bytes.len() - 3]),
+        Err(SnapshotError::Checksum { .. }) | Err(SnapshotError::Truncated { .. })
+    ));
+}
+
+proptest! {
+    #[test]
+    fn any_single_bit_flip_or_truncation_is_rejected(
+        values in prop::collection::vec(-10.0f32..10.0, 1..16),
+        at in any::<prop::sample::Index>(),
+        bit in 0u8..8,
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let a = AggregatorState::new(3, vec![layer(2, values)], Default::default()).unwrap();
+        let bytes = a.snapshot();
+        let mut bad = bytes.clone();
+        let i = at.index(bad.len());
+        bad[i] ^= 1 << bit;
+        prop_assert!(AggregatorState::restore(&bad, Default::default()).is_err());
+        let n = cut.index(bytes.len());
+        prop_assert!(AggregatorState::restore(&bytes[..n], Default::default()).is_err());
+    }
+
+    #[test]
+    fn fresh_equal_sample_round_is_the_plain_mean(
+        deltas in prop::collection::vec(prop::collection::vec(-100i32..100, 3), 1..6),
+    ) {
+        let config = AggregatorConfig { round_size: deltas.len(), ..Default::default() };
+        let mut a = AggregatorState::new(1, vec![layer(0, vec![0.5; 3])], config).unwrap();
+        for (i, d) in deltas.iter().enumerate() {
+            let d: Vec<f32> = d.iter().map(|&x| x as f32).collect();
+            a.handle_message(0, i as u64, delta(i as u64, 0, 1, 0, 8, &d));
+        }
+        let v = a.layer(0).unwrap();
+        prop_assert_eq!(v.version, 1);
+        for k in 0..3 {
+            let mean = deltas.iter().map(|d| d[k] as f64).sum::<f64>() / deltas.len() as f64;
+            prop_assert!((v.values[k] as f64 - (0.5 + mean)).abs() < 1e-4);
+        }
+    }
+}
