@@ -38,9 +38,15 @@
 //! computed when it is submitted, which is exact because the link is FIFO and its random
 //! processes are owned by the link.
 
+pub mod clusters;
+pub mod compute;
+pub mod edge;
 pub mod events;
 pub mod link;
+pub mod replica;
+pub mod report;
 pub mod rng;
+pub mod scenario;
 pub mod scenario_net;
 pub mod time;
 pub mod trace;

@@ -1,0 +1,242 @@
+//! Scenario files: the TOML schema shared by every kind of simulation, with errors that name
+//! the bad key or value. `kind = "clusters"` scenarios carry a `[clusters]` table (see
+//! [`crate::clusters`]); `kind = "edge"` scenarios an `[edge]` table (see [`crate::edge`]).
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use thiserror::Error;
+
+/// Errors reading or validating a scenario.
+#[derive(Debug, Error)]
+pub enum ScenarioError {
+    /// The file could not be read.
+    #[error("cannot read scenario {path}: {source}")]
+    Io {
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// TOML syntax or schema error (unknown key, wrong type); the message names the key.
+    #[error("bad scenario {source_name}: {message}")]
+    Parse {
+        /// File or embedded scenario name.
+        source_name: String,
+        /// What toml said (names the key and line).
+        message: String,
+    },
+    /// A value is out of range or inconsistent.
+    #[error("bad scenario {source_name}: {key}: {problem}")]
+    Invalid {
+        /// File or embedded scenario name.
+        source_name: String,
+        /// Dotted key, e.g. `clusters.count`.
+        key: String,
+        /// What is wrong and what is allowed.
+        problem: String,
+    },
+    /// No embedded scenario of that name.
+    #[error("unknown scenario '{0}'; built-in scenarios: {1}")]
+    Unknown(String, String),
+}
+
+/// Which simulation a scenario describes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScenarioKind {
+    /// Clusters of GPU (or CPU) nodes joined by a slower link; strategies ssgd/wfbp/localsgd/dreamddp.
+    Clusters,
+    /// Cloud nodes + CPU aggregators + edge devices on lossy links; strategies elastic/blocking.
+    Edge,
+}
+
+/// A scenario file.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Scenario name (used for the default output folder).
+    pub name: String,
+    /// Free text shown in reports.
+    #[serde(default)]
+    pub description: String,
+    /// Master seed: every random stream derives from it.
+    #[serde(default)]
+    pub seed: u64,
+    /// Which simulation.
+    pub kind: ScenarioKind,
+    /// Model: mlp, cnn, gpt-tiny.
+    #[serde(default = "default_model")]
+    pub model: String,
+    /// Data set: mnist, digits, tinyshakespeare, or auto (mnist when present, else digits).
+    #[serde(default = "default_dataset")]
+    pub dataset: String,
+    /// Per-replica batch.
+    #[serde(default = "default_batch")]
+    pub batch: usize,
+    /// Peak learning rate (default: the model's default).
+    pub lr: Option<f32>,
+    /// Optimizer: sgd or adamw (default: the model's default).
+    pub optimizer: Option<String>,
+    /// Stop after this many optimizer steps per replica.
+    #[serde(default = "default_max_steps")]
+    pub max_steps: u64,
+    /// Stop after this many virtual seconds.
+    #[serde(default = "default_max_virtual_s")]
+    pub max_virtual_s: f64,
+    /// Evaluate the global model every this many virtual seconds.
+    #[serde(default = "default_eval_every_s")]
+    pub eval_every_s: f64,
+    /// Test examples (or validation batches) per evaluation.
+    #[serde(default = "default_eval_limit")]
+    pub eval_limit: usize,
+    /// Target: accuracy in 0..1 for classification, or a loss for gpt-tiny.
+    pub target: f64,
+    /// Strategies to compare, in order.
+    pub strategies: Vec<String>,
+    /// Period H (localsgd, dreamddp, and the cross-site exchange period of edge scenarios).
+    #[serde(default = "default_period")]
+    pub period: u64,
+    /// The clusters table (kind = clusters).
+    pub clusters: Option<crate::clusters::ClustersSpec>,
+    /// The edge table (kind = edge).
+    pub edge: Option<crate::edge::EdgeSpec>,
+    /// Named link specs that the tables above refer to.
+    #[serde(default)]
+    pub links: std::collections::BTreeMap<String, crate::link::LinkSpec>,
+    /// Folder that relative trace paths are resolved against (set by the loader).
+    #[serde(skip)]
+    pub base_dir: PathBuf,
+}
+
+fn default_model() -> String {
+    "mlp".into()
+}
+fn default_dataset() -> String {
+    "auto".into()
+}
+fn default_batch() -> usize {
+    32
+}
+fn default_max_steps() -> u64 {
+    1000
+}
+fn default_max_virtual_s() -> f64 {
+    3600.0
+}
+fn default_eval_every_s() -> f64 {
+    10.0
+}
+fn default_eval_limit() -> usize {
+    2000
+}
+fn default_period() -> u64 {
+    4
+}
+
+/// The scenarios shipped in `simulations/scenarios/`, embedded in the binary.
+pub const BUILTIN: &[(&str, &str)] = &[
+    ("default", include_str!("../scenarios/default.toml")),
+    (
+        "two-datacenters",
+        include_str!("../scenarios/two-datacenters.toml"),
+    ),
+    (
+        "mixed-cpu-gpu",
+        include_str!("../scenarios/mixed-cpu-gpu.toml"),
+    ),
+    ("edge-outage", include_str!("../scenarios/edge-outage.toml")),
+];
+
+impl Scenario {
+    /// Parses scenario text; `source_name` names it in errors, `base_dir` anchors trace paths.
+    pub fn parse(text: &str, source_name: &str, base_dir: &Path) -> Result<Self, ScenarioError> {
+        let mut s: Scenario = toml::from_str(text).map_err(|e| ScenarioError::Parse {
+            source_name: source_name.to_string(),
+            message: e.to_string(),
+        })?;
+        s.base_dir = base_dir.to_path_buf();
+        s.validate(source_name)?;
+        Ok(s)
+    }
+
+    /// Loads a scenario by built-in name or file path.
+    pub fn load(name_or_path: &str) -> Result<(Self, String), ScenarioError> {
+        if let Some((_, text)) = BUILTIN.iter().find(|(n, _)| *n == name_or_path) {
+            let base = traces_base_dir();
+            return Ok((Self::parse(text, name_or_path, &base)?, text.to_string()));
+        }
+        let path = Path::new(name_or_path);
+        if !path.exists() {
+            let names: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
+            return Err(ScenarioError::Unknown(
+                name_or_path.to_string(),
+                names.join(", "),
+            ));
+        }
+        let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Ok((
+            Self::parse(&text, &path.display().to_string(), &base)?,
+            text,
+        ))
+    }
+
+    fn validate(&self, src: &str) -> Result<(), ScenarioError> {
+        let bad = |key: &str, problem: String| ScenarioError::Invalid {
+            source_name: src.to_string(),
+            key: key.to_string(),
+            problem,
+        };
+        if self.batch == 0 {
+            return Err(bad("batch", "must be at least 1".into()));
+        }
+        if self.period == 0 {
+            return Err(bad("period", "must be at least 1".into()));
+        }
+        if !(self.eval_every_s > 0.0 && self.eval_every_s.is_finite()) {
+            return Err(bad(
+                "eval_every_s",
+                format!(
+                    "must be a positive number of seconds, got {}",
+                    self.eval_every_s
+                ),
+            ));
+        }
+        if !(self.max_virtual_s > 0.0 && self.max_virtual_s.is_finite()) {
+            return Err(bad(
+                "max_virtual_s",
+                format!("must be positive, got {}", self.max_virtual_s),
+            ));
+        }
+        if self.strategies.is_empty() {
+            return Err(bad("strategies", "list at least one strategy".into()));
+        }
+        match self.kind {
+            ScenarioKind::Clusters if self.clusters.is_none() => Err(bad(
+                "clusters",
+                "kind = \"clusters\" needs a [clusters] table".into(),
+            )),
+            ScenarioKind::Edge if self.edge.is_none() => {
+                Err(bad("edge", "kind = \"edge\" needs an [edge] table".into()))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Folder the trace paths of built-in scenarios resolve against: `$DREAMDDP_TRACES_DIR`, else
+/// `../shared/data/traces` when present, else the copies shipped in `simulations/traces/`
+/// (ATT-LTE-driving-2016 up/down and norway_bus_1, so the scenarios run without `../shared`).
+pub fn traces_base_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("DREAMDDP_TRACES_DIR") {
+        return PathBuf::from(d);
+    }
+    engine::data::locate::shared_datasets_dir()
+        .and_then(|d| d.parent().map(|p| p.join("traces")))
+        .filter(|p| p.join("ATT-LTE-driving-2016.up").is_file())
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("traces"))
+}
