@@ -23,6 +23,8 @@ pub enum Command {
     Train(Box<TrainArgs>),
     /// Print the sync plan (buckets, per-layer phase and period) a strategy would use, without training.
     Plan(Box<TrainArgs>),
+    /// Run a scenario in the deterministic simulator (virtual time, real gradients, modelled links).
+    Simulate(Box<crate::simulate_cmd::SimulateArgs>),
     /// Time one training step of mlp and cnn against PyTorch on the CPU (same threads, same run).
     Bench(BenchArgs),
 }

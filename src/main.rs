@@ -4,6 +4,7 @@ mod bench_cmd;
 mod cli;
 mod compare;
 mod plots;
+mod simulate_cmd;
 mod train_cmd;
 
 use clap::Parser;
@@ -22,6 +23,7 @@ fn main() {
         cli::Command::Train(a) => train_cmd::run(*a),
         cli::Command::Plan(a) => train_cmd::plan(*a),
         cli::Command::Bench(a) => bench_cmd::run(a),
+        cli::Command::Simulate(a) => simulate_cmd::run(*a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

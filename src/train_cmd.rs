@@ -10,7 +10,7 @@ use engine::plan::{ScheduleKind, Strategy, SyncPlan};
 use gpu_worker::link::LinkModel;
 use gpu_worker::planning::{build_plan, PlanInputs};
 use gpu_worker::profile::profile_step;
-use gpu_worker::task::{load_data, ModelKind, Task};
+use gpu_worker::task::{load_data, resolve_dataset, ModelKind, Task};
 use gpu_worker::trainer::{train, RunReport, TrainConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -42,18 +42,11 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         .parse()
         .map_err(|e: String| anyhow!(e))?;
     let dir = data_dir(args);
-    let dataset = match args.dataset.as_deref().unwrap_or("auto") {
-        "auto" => match (&model, &dir) {
-            (ModelKind::GptTiny, _) => "tinyshakespeare".to_string(),
-            (_, Some(d))
-                if d.join("mnist").is_dir() || d.join("train-images-idx3-ubyte.gz").is_file() =>
-            {
-                "mnist".to_string()
-            }
-            _ => "digits".to_string(),
-        },
-        other => other.to_string(),
-    };
+    let dataset = resolve_dataset(
+        &model,
+        args.dataset.as_deref().unwrap_or("auto"),
+        dir.as_deref(),
+    );
     let data = load_data(&dataset, dir.as_deref()).map_err(|e| anyhow!(e))?;
     let task = Task::new(model, &dataset, data).map_err(|e| anyhow!(e))?;
     let d = task.defaults();

@@ -348,3 +348,20 @@ pub fn load_data(dataset: &str, dir: Option<&Path>) -> Result<TaskData, String> 
         )),
     }
 }
+
+/// Resolves `auto` to a concrete data set for `model`: tinyshakespeare for gpt-tiny, MNIST when
+/// its files are under `dir`, else the embedded digits. Other names pass through.
+pub fn resolve_dataset(model: &ModelKind, dataset: &str, dir: Option<&Path>) -> String {
+    if dataset != "auto" {
+        return dataset.to_string();
+    }
+    match (model, dir) {
+        (ModelKind::GptTiny, _) => "tinyshakespeare".to_string(),
+        (_, Some(d))
+            if d.join("mnist").is_dir() || d.join("train-images-idx3-ubyte.gz").is_file() =>
+        {
+            "mnist".to_string()
+        }
+        _ => "digits".to_string(),
+    }
+}

@@ -63,7 +63,9 @@ pub struct StrategyResult {
     pub staleness_histogram: BTreeMap<u64, u64>,
     /// Mean virtual seconds per optimizer step per node.
     pub mean_step_s: f64,
-    /// Wall-clock seconds the simulation of this strategy took.
+    /// Wall-clock seconds the simulation of this strategy took. Not serialized: `summary.json`
+    /// must be byte-identical across runs with the same seed (wall times go to `timing.json`).
+    #[serde(skip)]
     pub wall_seconds: f64,
     /// Evaluations over virtual time.
     pub series: Vec<SeriesPoint>,

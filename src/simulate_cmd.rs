@@ -1,0 +1,388 @@
+//! `dreamddp simulate`: runs a scenario (built-in name or TOML file) in the deterministic
+//! simulator for each of its strategies, prints a table, and writes `summary.json`
+//! (byte-identical for the same scenario and seed), `timeseries.csv`, `timing.json` and SVG
+//! plots. `--replay summary.json` re-runs a recorded scenario + seed and checks it reproduces.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use gpu_worker::task::{load_data, resolve_dataset, ModelKind, Task};
+use indicatif::{ProgressBar, ProgressStyle};
+use simulations::report::SimSummary;
+use simulations::scenario::{Scenario, ScenarioKind, BUILTIN};
+
+use crate::plots::{line_chart, timeline_chart, Bar, Series};
+use crate::train_cmd::{human_bytes, write_json};
+
+/// Flags of `simulate`.
+#[derive(Args, Debug, Clone)]
+pub struct SimulateArgs {
+    /// Built-in scenario name (default, two-datacenters, mixed-cpu-gpu, edge-outage) or a TOML file.
+    #[arg(default_value = "default")]
+    pub scenario: String,
+    /// Override the scenario's seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Run only these strategies (comma-separated).
+    #[arg(long)]
+    pub strategies: Option<String>,
+    /// Output folder (default `sim-out/<scenario>/`).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Re-run the scenario and seed recorded in this summary.json and check the result is identical.
+    #[arg(long)]
+    pub replay: Option<PathBuf>,
+    /// Folder holding the data sets (default: $DREAMDDP_DATA_DIR, then ../shared/data/datasets).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// List the built-in scenarios and exit.
+    #[arg(long)]
+    pub list: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Runs `simulate`.
+pub fn run(args: SimulateArgs) -> Result<()> {
+    if args.list {
+        for (name, text) in BUILTIN {
+            let desc = Scenario::parse(text, name, Path::new("."))
+                .map(|s| s.description)
+                .unwrap_or_else(|e| format!("(invalid: {e})"));
+            println!("{name:<16} {desc}");
+        }
+        return Ok(());
+    }
+    let (recorded, (mut scenario, text)) = match &args.replay {
+        Some(path) => {
+            let bytes =
+                std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+            let rec: SimSummary = serde_json::from_slice(&bytes).with_context(|| {
+                format!("{} is not a dreamddp simulate summary.json", path.display())
+            })?;
+            let base = simulations::scenario::traces_base_dir();
+            let s = Scenario::parse(&rec.scenario_toml, &rec.scenario, &base)?;
+            let text = rec.scenario_toml.clone();
+            (Some(rec), (s, text))
+        }
+        None => (None, Scenario::load(&args.scenario)?),
+    };
+    if let Some(rec) = &recorded {
+        scenario.seed = rec.seed;
+        scenario.strategies = rec.strategies.iter().map(|s| s.strategy.clone()).collect();
+    }
+    if let Some(seed) = args.seed {
+        scenario.seed = seed;
+    }
+    if let Some(list) = &args.strategies {
+        scenario.strategies = list
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
+    }
+    let task = build_task(&scenario, args.data_dir.as_deref())?;
+    let target = match task.model {
+        ModelKind::GptTiny => format!("val loss <= {}", scenario.target),
+        _ => format!("accuracy >= {}", scenario.target),
+    };
+    println!(
+        "scenario {} (seed {}): {} on {}, target {target}; strategies: {}",
+        scenario.name,
+        scenario.seed,
+        task.model.name(),
+        task.dataset,
+        scenario.strategies.join(", ")
+    );
+    let mut results = Vec::new();
+    for strategy in scenario.strategies.clone() {
+        let bar = if args.quiet {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new(1000)
+        };
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{prefix:>16} [{elapsed_precise}] {wide_bar} {percent}% of virtual time",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        bar.set_prefix(strategy.clone());
+        bar.enable_steady_tick(Duration::from_millis(250));
+        let b = bar.clone();
+        let mut progress = move |f: f64| b.set_position((f.clamp(0.0, 1.0) * 1000.0) as u64);
+        let started = Instant::now();
+        let result = match scenario.kind {
+            ScenarioKind::Clusters => {
+                simulations::clusters::run_clusters(&scenario, &task, &strategy, &mut progress)
+            }
+            ScenarioKind::Edge => {
+                simulations::edge::run_edge(&scenario, &task, &strategy, &mut progress)
+            }
+        };
+        bar.finish_and_clear();
+        let mut result =
+            result.map_err(|e| anyhow!("scenario {} strategy {strategy}: {e}", scenario.name))?;
+        result.wall_seconds = started.elapsed().as_secs_f64();
+        results.push(result);
+    }
+    let summary = SimSummary {
+        scenario: scenario.name.clone(),
+        seed: scenario.seed,
+        scenario_toml: text,
+        target,
+        strategies: results,
+    };
+    print_table(&summary);
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("sim-out").join(&scenario.name));
+    write_outputs(&out, &summary)?;
+    if let Some(rec) = recorded {
+        if rec == summary {
+            println!(
+                "replay: reproduced the recorded summary exactly ({} strategies)",
+                summary.strategies.len()
+            );
+        } else {
+            let first = rec
+                .strategies
+                .iter()
+                .zip(&summary.strategies)
+                .find(|(a, b)| a != b)
+                .map(|(a, _)| a.strategy.clone())
+                .unwrap_or_else(|| "scenario header".into());
+            bail!("replay did NOT reproduce the recorded summary (first difference in: {first}); see {}", out.display());
+        }
+    }
+    Ok(())
+}
+
+fn build_task(s: &Scenario, data_dir: Option<&Path>) -> Result<Task> {
+    let model: ModelKind = s
+        .model
+        .parse()
+        .map_err(|e: String| anyhow!("scenario {}: {e}", s.name))?;
+    let dir = data_dir
+        .map(Path::to_path_buf)
+        .or_else(engine::data::locate::shared_datasets_dir);
+    let dataset = resolve_dataset(&model, &s.dataset, dir.as_deref());
+    let data = load_data(&dataset, dir.as_deref()).map_err(|e| anyhow!(e))?;
+    Task::new(model, &dataset, data).map_err(|e| anyhow!(e))
+}
+
+fn fmt_opt_s(v: Option<f64>) -> String {
+    v.map(|t| format!("{t:.1}"))
+        .unwrap_or_else(|| "never".into())
+}
+
+fn print_table(s: &SimSummary) {
+    println!();
+    println!(
+        "{:<17} {:>12} {:>9} {:>11} {:>10} {:>9} {:>11} {:>8} {:>9} {:>7}",
+        "strategy",
+        "to target s",
+        "final",
+        "bytes",
+        "weak-sync",
+        "cached",
+        "undelivered",
+        "step ms",
+        "virtual s",
+        "wall s"
+    );
+    for r in &s.strategies {
+        let metric = match r.final_accuracy {
+            Some(a) => format!("{:.2}%", a * 100.0),
+            None => format!("{:.3}", r.final_loss),
+        };
+        println!(
+            "{:<17} {:>12} {:>9} {:>11} {:>10} {:>9} {:>11} {:>8.2} {:>9.1} {:>7.1}",
+            r.strategy,
+            fmt_opt_s(r.time_to_target_s),
+            metric,
+            human_bytes(r.bytes_sent),
+            r.weak_sync_events,
+            r.cached_at_end,
+            r.undelivered_deltas,
+            r.mean_step_s * 1e3,
+            r.virtual_seconds,
+            r.wall_seconds
+        );
+    }
+    // Ratios of time to target against the first strategy that reached it fastest.
+    if let Some(best) = s
+        .strategies
+        .iter()
+        .filter(|r| r.time_to_target_s.is_some())
+        .min_by(|a, b| {
+            a.time_to_target_s
+                .unwrap_or(f64::MAX)
+                .total_cmp(&b.time_to_target_s.unwrap_or(f64::MAX))
+        })
+    {
+        let t = best.time_to_target_s.unwrap_or(1.0).max(1e-9);
+        let ratios: Vec<String> = s
+            .strategies
+            .iter()
+            .filter(|r| r.strategy != best.strategy)
+            .map(|r| match r.time_to_target_s {
+                Some(x) => format!("{} {:.2}x", r.strategy, x / t),
+                None => format!("{} never", r.strategy),
+            })
+            .collect();
+        println!(
+            "\nfastest to target: {} ({:.1} virtual s); others take: {}",
+            best.strategy,
+            t,
+            ratios.join(", ")
+        );
+    }
+    for r in &s.strategies {
+        if !r.bytes_by_link_class.is_empty() {
+            let parts: Vec<String> = r
+                .bytes_by_link_class
+                .iter()
+                .map(|(k, v)| format!("{k} {}", human_bytes(*v)))
+                .collect();
+            println!(
+                "  {:<16} bytes by link class: {}",
+                r.strategy,
+                parts.join(", ")
+            );
+        }
+        if !r.staleness_histogram.is_empty() {
+            let parts: Vec<String> = r
+                .staleness_histogram
+                .iter()
+                .map(|(k, v)| format!("τ{k}:{v}"))
+                .collect();
+            println!(
+                "  {:<16} staleness histogram: {}",
+                r.strategy,
+                parts.join(" ")
+            );
+        }
+        if r.undelivered_deltas > 0 {
+            println!(
+                "  [ERROR] {}: {} weak-synced deltas were lost (neither delivered nor cached)",
+                r.strategy, r.undelivered_deltas
+            );
+        }
+    }
+    println!();
+}
+
+fn write_outputs(out: &Path, s: &SimSummary) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    write_json(&out.join("summary.json"), s)?;
+    let timing: Vec<serde_json::Value> = s
+        .strategies
+        .iter()
+        .map(|r| serde_json::json!({"strategy": r.strategy, "wall_seconds": r.wall_seconds}))
+        .collect();
+    write_json(&out.join("timing.json"), &timing)?;
+    let path = out.join("timeseries.csv");
+    let mut w = csv::Writer::from_path(&path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    w.write_record([
+        "strategy",
+        "time_s",
+        "accuracy",
+        "loss",
+        "bytes_sent",
+        "mean_steps",
+    ])?;
+    for r in &s.strategies {
+        for p in &r.series {
+            w.write_record([
+                r.strategy.clone(),
+                format!("{:.3}", p.time_s),
+                p.accuracy.map(|a| format!("{a:.5}")).unwrap_or_default(),
+                format!("{:.5}", p.loss),
+                p.bytes_sent.to_string(),
+                format!("{:.1}", p.mean_steps),
+            ])?;
+        }
+    }
+    w.flush()?;
+    let classification = s.strategies.iter().any(|r| r.final_accuracy.is_some());
+    let metric: Vec<Series> = s
+        .strategies
+        .iter()
+        .map(|r| Series {
+            label: r.strategy.clone(),
+            points: r
+                .series
+                .iter()
+                .map(|p| {
+                    (
+                        p.time_s,
+                        if classification {
+                            p.accuracy.unwrap_or(0.0) * 100.0
+                        } else {
+                            p.loss
+                        },
+                    )
+                })
+                .collect(),
+        })
+        .collect();
+    let ylabel = if classification {
+        "test accuracy (%)"
+    } else {
+        "validation loss"
+    };
+    line_chart(
+        &out.join("accuracy_vs_time.svg"),
+        "virtual time (s)",
+        ylabel,
+        &metric,
+    )?;
+    let bytes: Vec<Series> = s
+        .strategies
+        .iter()
+        .map(|r| Series {
+            label: r.strategy.clone(),
+            points: r
+                .series
+                .iter()
+                .map(|p| (p.time_s, p.bytes_sent as f64 / 1e6))
+                .collect(),
+        })
+        .collect();
+    line_chart(
+        &out.join("bytes_vs_time.svg"),
+        "virtual time (s)",
+        "MB sent",
+        &bytes,
+    )?;
+    for r in &s.strategies {
+        let bars: Vec<Bar> = r
+            .timeline
+            .iter()
+            .map(|e| Bar {
+                row: format!("{}/{}", e.node, e.layer),
+                start: e.start_s,
+                end: e.end_s,
+                highlight: e.weak,
+            })
+            .collect();
+        let name = format!("timeline_{}.svg", r.strategy);
+        timeline_chart(
+            &out.join(name),
+            &format!("per-layer syncs: {} (red: weak-synced)", r.strategy),
+            "virtual time (s)",
+            &bars,
+        )?;
+    }
+    println!(
+        "wrote {0}/summary.json, timeseries.csv, timing.json, accuracy_vs_time.svg, bytes_vs_time.svg, timeline_<strategy>.svg",
+        out.display()
+    );
+    Ok(())
+}
