@@ -500,42 +500,30 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
             return Err(e.into());
         }
 
-        match strategy {
-            Strategy::Ssgd => {
-                let mut flat = Vec::with_capacity(model.param_count());
-                for &l in &all_layers {
-                    for p in model.layers[l].layer.params() {
-                        flat.extend_from_slice(&p.grad);
-                    }
+        // Blocking strategies: one bucket with every layer (gradients for ssgd, parameters
+        // for localsgd at the end of each period).
+        let whole_model = match strategy {
+            Strategy::Ssgd => Some(true),
+            Strategy::LocalSgd if (step + 1) % sh.plan.period() == 0 => Some(false),
+            _ => None,
+        };
+        if let Some(grads) = whole_model {
+            let mut flat = Vec::with_capacity(model.param_count());
+            for &l in &all_layers {
+                for p in model.layers[l].layer.params() {
+                    flat.extend_from_slice(if grads { &p.grad } else { &p.value });
                 }
-                let key = ReduceKey { step, bucket: 0 };
-                let launched = Instant::now();
-                let handle = sh.collective.all_reduce_mean(rank, key, flat)?;
-                in_flight.push(InFlight {
-                    bucket: 0,
-                    layers: all_layers.clone(),
-                    handle,
-                    launched,
-                });
             }
-            Strategy::LocalSgd if (step + 1) % sh.plan.period() == 0 => {
-                let mut flat = Vec::with_capacity(model.param_count());
-                for &l in &all_layers {
-                    for p in model.layers[l].layer.params() {
-                        flat.extend_from_slice(&p.value);
-                    }
-                }
-                let key = ReduceKey { step, bucket: 0 };
-                let launched = Instant::now();
-                let handle = sh.collective.all_reduce_mean(rank, key, flat)?;
-                in_flight.push(InFlight {
-                    bucket: 0,
-                    layers: all_layers.clone(),
-                    handle,
-                    launched,
-                });
-            }
-            _ => {}
+            let launched = Instant::now();
+            let handle =
+                sh.collective
+                    .all_reduce_mean(rank, ReduceKey { step, bucket: 0 }, flat)?;
+            in_flight.push(InFlight {
+                bucket: 0,
+                layers: all_layers.clone(),
+                handle,
+                launched,
+            });
         }
 
         // Wait for every launched bucket and write the averages back.
