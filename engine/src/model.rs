@@ -52,8 +52,12 @@ impl Model {
 
     /// Forward through every layer.
     pub fn forward(&mut self, input: &Tensor, train: bool) -> Tensor {
-        let mut x = input.clone();
-        for l in &mut self.layers {
+        let mut layers = self.layers.iter_mut();
+        let Some(first) = layers.next() else {
+            return input.clone();
+        };
+        let mut x = first.layer.forward(input, train);
+        for l in layers {
             x = l.layer.forward(&x, train);
         }
         x
@@ -67,13 +71,11 @@ impl Model {
         grad_output: &Tensor,
         on_layer_ready: &mut dyn FnMut(usize, &mut NamedLayer),
     ) {
-        let mut g = grad_output.clone();
-        let n = self.layers.len();
-        for i in (0..n).rev() {
-            let l = &mut self.layers[i];
-            // The input layer's input gradient is not needed, but computing it keeps
-            // every layer's contract simple; its cost is small next to the weight gradient.
-            g = l.layer.backward(&g);
+        // The input layer's input gradient is not needed, but computing it keeps
+        // every layer's contract simple; its cost is small next to the weight gradient.
+        let mut g: Option<Tensor> = None;
+        for (i, l) in self.layers.iter_mut().enumerate().rev() {
+            g = Some(l.layer.backward(g.as_ref().unwrap_or(grad_output)));
             if !l.layer.params().is_empty() {
                 on_layer_ready(i, l);
             }

@@ -7,9 +7,14 @@ use crate::tensor::Tensor;
 /// Rectified linear unit, `y = max(x, 0)`. The gradient at exactly 0 is taken as 0 (as PyTorch).
 #[derive(Default)]
 pub struct Relu {
-    /// The last training-mode output (positive exactly where the gradient passes).
-    cached_output: Vec<f32>,
+    /// Where the last training-mode input was positive (1) — exactly where the gradient
+    /// passes. One byte per value: a quarter of the memory traffic of caching the output.
+    passes: Vec<u8>,
 }
+
+/// Values per block of the forward pass: the block's input stays in L1 between writing
+/// the output and the mask.
+const RELU_BLOCK: usize = 4096;
 
 impl Relu {
     /// A ReLU layer.
@@ -24,31 +29,31 @@ impl Layer for Relu {
     }
 
     fn forward(&mut self, input: &Tensor, train: bool) -> Tensor {
-        // `x > 0 ? x : 0` (not `f32::max`, which must handle NaN) keeps the loop a plain select.
-        let positive_part = input
-            .data
-            .iter()
-            .map(|&x| if x > 0.0 { x } else { 0.0 })
-            .collect();
-        let out = Tensor::from_vec(&input.shape, positive_part);
+        let mut positive_part = Vec::with_capacity(input.len());
         if train {
-            self.cached_output.clear();
-            self.cached_output.extend_from_slice(&out.data);
+            self.passes.clear();
         }
-        out
+        for block in input.data.chunks(RELU_BLOCK) {
+            // `x > 0 ? x : 0` (not `f32::max`, which must handle NaN) keeps the loop a plain select.
+            positive_part.extend(block.iter().map(|&x| if x > 0.0 { x } else { 0.0 }));
+            if train {
+                self.passes.extend(block.iter().map(|&x| u8::from(x > 0.0)));
+            }
+        }
+        Tensor::from_vec(&input.shape, positive_part)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Tensor {
         assert_eq!(
             grad_output.len(),
-            self.cached_output.len(),
+            self.passes.len(),
             "relu: backward without matching forward"
         );
         let grad_input = grad_output
             .data
             .iter()
-            .zip(&self.cached_output)
-            .map(|(&g, &y)| if y > 0.0 { g } else { 0.0 })
+            .zip(&self.passes)
+            .map(|(&g, &passes)| if passes != 0 { g } else { 0.0 })
             .collect();
         Tensor::from_vec(&grad_output.shape, grad_input)
     }

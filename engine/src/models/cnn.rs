@@ -149,65 +149,80 @@ mod tests {
         );
     }
 
-    /// CPU time consumed by the calling thread in ms (Linux `schedstat`), immune to other
-    /// processes competing for the cores.
-    fn thread_cpu_ms() -> Option<f64> {
-        let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-        let ns: f64 = stat.split_whitespace().next()?.parse().ok()?;
-        Some(ns / 1e6)
+    /// CPU time of the calling thread in ms (`CLOCK_THREAD_CPUTIME_ID`, exact to the
+    /// nanosecond), immune to other processes competing for the cores.
+    fn thread_cpu_ms() -> f64 {
+        #[repr(C)]
+        struct Timespec {
+            seconds: i64,
+            nanos: i64,
+        }
+        extern "C" {
+            fn clock_gettime(clock: i32, time: *mut Timespec) -> i32;
+        }
+        const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+        let mut time = Timespec {
+            seconds: 0,
+            nanos: 0,
+        };
+        // SAFETY: `time` is a valid, writable timespec for the duration of the call.
+        let rc = unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut time) };
+        assert_eq!(rc, 0, "clock_gettime(CLOCK_THREAD_CPUTIME_ID)");
+        time.seconds as f64 * 1e3 + time.nanos as f64 / 1e6
     }
 
-    /// One forward + backward of `cnn(1, 28, 28, 10)` at batch 128, printed as ms/step.
+    /// One forward + backward of `cnn(1, 28, 28, 10)` at batch 128, printed as ms/step
+    /// (median over steps, wall clock) with a per-layer breakdown (medians as well, so a
+    /// step disturbed by other processes does not skew it).
     /// Run with `cargo test --release -p engine -- --ignored --nocapture cnn_step_timing`.
     #[test]
     #[ignore = "timing; run in release with --ignored --nocapture"]
     fn cnn_step_timing() {
         let batch = 128;
+        let steps = 30;
         let mut model = cnn(1, 28, 28, 10, 0);
         let input = Tensor::from_vec(&[batch, 1, 28, 28], pseudo_random(batch * 784, 1));
         let grad = Tensor::from_vec(&[batch, 10], pseudo_random(batch * 10, 2));
-        let step = |model: &mut Model| {
-            let out = model.forward(&input, true);
-            assert_eq!(out.shape, [batch, 10]);
-            model.backward_with_hook(&grad, &mut |_, _| {});
+        let now = thread_cpu_ms;
+        let median = |samples: &mut Vec<f64>| {
+            samples.sort_by(f64::total_cmp);
+            samples[samples.len() / 2]
         };
-        for _ in 0..3 {
-            step(&mut model);
-        }
-        let steps = 20;
-        let start = std::time::Instant::now();
-        let cpu_start = thread_cpu_ms();
-        for _ in 0..steps {
-            step(&mut model);
-        }
-        let ms = start.elapsed().as_secs_f64() * 1e3 / steps as f64;
-        let cpu = match (cpu_start, thread_cpu_ms()) {
-            (Some(a), Some(b)) => {
-                format!(", {:.2} ms/step thread CPU time", (b - a) / steps as f64)
-            }
-            _ => String::new(),
-        };
-        println!("cnn(1,28,28,10) batch {batch}: {ms:.2} ms/step wall (forward+backward){cpu}");
-        // Per-layer breakdown over more steps (thread CPU time where available, else wall).
-        let now = || thread_cpu_ms().unwrap_or_else(|| start.elapsed().as_secs_f64() * 1e3);
         let layers = model.layers.len();
-        let (mut forward_ms, mut backward_ms) = (vec![0.0; layers], vec![0.0; layers]);
-        for _ in 0..steps {
+        let mut step_ms = Vec::with_capacity(steps);
+        let (mut forward_ms, mut backward_ms) =
+            (vec![Vec::new(); layers], vec![Vec::new(); layers]);
+        for step in 0..steps + 3 {
+            let step_start = now();
             let mut x = input.clone();
-            for (l, total) in model.layers.iter_mut().zip(&mut forward_ms) {
+            for (l, samples) in model.layers.iter_mut().zip(&mut forward_ms) {
                 let t = now();
                 x = l.layer.forward(&x, true);
-                *total += now() - t;
+                samples.push(now() - t);
             }
+            assert_eq!(x.shape, [batch, 10]);
             let mut g = grad.clone();
-            for (l, total) in model.layers.iter_mut().zip(&mut backward_ms).rev() {
+            for (l, samples) in model.layers.iter_mut().zip(&mut backward_ms).rev() {
                 let t = now();
                 g = l.layer.backward(&g);
-                *total += now() - t;
+                samples.push(now() - t);
+            }
+            if step < 3 {
+                // Warm-up steps.
+                forward_ms
+                    .iter_mut()
+                    .chain(&mut backward_ms)
+                    .for_each(Vec::clear);
+            } else {
+                step_ms.push(now() - step_start);
             }
         }
+        println!(
+            "cnn(1,28,28,10) batch {batch}: {:.2} ms/step median thread CPU time (forward+backward)",
+            median(&mut step_ms)
+        );
         for (i, l) in model.layers.iter().enumerate() {
-            let (f, b) = (forward_ms[i] / steps as f64, backward_ms[i] / steps as f64);
+            let (f, b) = (median(&mut forward_ms[i]), median(&mut backward_ms[i]));
             println!("  {:8} forward {f:7.2} ms  backward {b:7.2} ms", l.name);
         }
     }
