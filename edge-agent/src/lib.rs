@@ -16,10 +16,12 @@
 //! [`Output::CacheRemove`]), confirming durability with [`SyncClient::cache_put_done`].
 //!
 //! Modules: [`config`] (layer specs, tuning), [`state`] (the state machine), [`cache`]
-//! (cache entries and their checksummed encoding), [`error`] (typed errors).
+//! (cache entries and their checksummed encoding), [`durable_cache`] (the sled-backed store
+//! of those entries, with checksum recovery), [`error`] (typed errors).
 
 pub mod cache;
 pub mod config;
+pub mod durable_cache;
 pub mod error;
 pub mod state;
 
@@ -28,5 +30,6 @@ mod e2e_tests;
 
 pub use cache::CacheEntry;
 pub use config::{spread_phases, ClientConfig, LayerInit, LayerSpec, NodeId};
+pub use durable_cache::{CacheError, DurableCache, OpenReport};
 pub use error::{CacheDecodeError, ClientError};
 pub use state::{ClientCounters, ClientEvent, CutOutcome, InFlightView, Output, SyncClient};
