@@ -26,6 +26,11 @@
 //! error that is not repaired this way is [`CacheError::Locked`]: another process has the
 //! cache open, and moving a live cache aside would lose its writes.
 //!
+//! **Limit.** Checksums catch values sled returns damaged, not entries sled forgets: sled
+//! 0.34.7 reads a data file overwritten wholesale with garbage as unwritten segments and
+//! opens it as an empty (or shorter) database without an error. Torn writes at the log tail
+//! after `kill -9` only ever lose unflushed, hence unacknowledged, writes (`tests/kill9.rs`).
+//!
 //! sled keeps roughly 3× the live data on disk ([`DurableCache::bytes_on_disk`]).
 
 use std::ffi::OsString;
@@ -769,6 +774,29 @@ mod tests {
         let (cache, report) = DurableCache::open(&dir).unwrap();
         assert!(report.is_clean(), "{report:?}");
         assert_eq!(cache.entries().unwrap(), vec![entry(1, 1, 2)]);
+        drop(cache);
+
+        // A real sled database whose data file was overwritten with garbage.
+        let trashed = base.join("trashed");
+        {
+            let (cache, _) = DurableCache::open(&trashed).unwrap();
+            for seq in 0..20 {
+                cache.put_durable(&entry(2, seq, 300)).unwrap();
+            }
+        }
+        let db_file = trashed.join("db");
+        let len = fs::metadata(&db_file).unwrap().len() as usize;
+        fs::write(&db_file, vec![0x5Au8; len]).unwrap();
+        // sled 0.34.7 reads such a file as unwritten segments (see the module docs): no
+        // panic, no error, and whatever it returns is valid; the cache stays usable.
+        let (cache, _report) = DurableCache::open(&trashed).unwrap();
+        let survivors = cache.entries().unwrap();
+        assert!(survivors.len() <= 20);
+        cache.put_durable(&entry(2, 99, 1)).unwrap();
+        drop(cache);
+        let (cache, report) = DurableCache::open(&trashed).unwrap();
+        assert!(report.is_clean(), "{report:?}");
+        assert!(cache.entries().unwrap().contains(&entry(2, 99, 1)));
         drop(cache);
 
         // A plain file where the directory should be.
