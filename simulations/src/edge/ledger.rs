@@ -62,6 +62,8 @@ pub struct LedgerCheck {
     pub restored: u64,
     /// Restored deltas applied exactly once.
     pub restored_applied: u64,
+    /// Restored deltas the aggregator dropped for staleness.
+    pub restored_dropped: u64,
 }
 
 /// The fate of every delta of a run.
@@ -161,7 +163,10 @@ impl Ledger {
                     c.weak_applied += u64::from(e.weak);
                     c.restored_applied += u64::from(e.restored && e.applied == 1);
                 }
-                Fate::Dropped => c.dropped += 1,
+                Fate::Dropped => {
+                    c.dropped += 1;
+                    c.restored_dropped += u64::from(e.restored);
+                }
                 Fate::Merged(_) => {}
                 Fate::LostInCrash => {
                     if still_held(key) {

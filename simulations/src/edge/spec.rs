@@ -396,7 +396,10 @@ impl EdgeSpec {
             return Err(spec_error("edge.aggregators.count", "must be at least 1"));
         }
         if self.aggregators.round_size == 0 {
-            return Err(spec_error("edge.aggregators.round_size", "must be at least 1"));
+            return Err(spec_error(
+                "edge.aggregators.round_size",
+                "must be at least 1",
+            ));
         }
         positive_finite(
             self.aggregators.round_timeout_ms,
@@ -480,17 +483,21 @@ impl EdgeSpec {
                 }
                 _ => {}
             }
-            if c.action == ChurnAction::Join
-                && self
-                    .churn
-                    .iter()
-                    .take(i)
-                    .any(|earlier| earlier.node == c.node)
-            {
-                return Err(spec_error(
-                    key("action"),
-                    format!("{} must join before any other churn entry of it", c.node),
-                ));
+            if c.action == ChurnAction::Join {
+                let earlier = self.churn.iter().enumerate().find(|(j, o)| {
+                    *j != i
+                        && o.node == c.node
+                        && (o.at_s < c.at_s || o.action == ChurnAction::Join)
+                });
+                if let Some((j, _)) = earlier {
+                    return Err(spec_error(
+                        key("at_s"),
+                        format!(
+                            "{} joins at {} s, but edge.churn[{j}] acts on it before or joins it again",
+                            c.node, c.at_s
+                        ),
+                    ));
+                }
             }
         }
         Ok(ResolvedEdge {

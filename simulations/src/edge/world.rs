@@ -43,6 +43,8 @@ use crate::trace::{Trace, TraceFormat};
 const AGG_WIRE_BASE: u64 = 1_000_000;
 /// Most per-layer sync events kept for the timeline plot.
 const TIMELINE_CAP: usize = 4000;
+/// Most undelivered deltas listed in [`EdgeDiagnostics::undelivered`].
+const UNDELIVERED_LISTED: usize = 20;
 /// Wait before retrying a bootstrap download that failed.
 const BOOTSTRAP_RETRY: SimDuration = SimDuration::from_secs(1);
 
@@ -71,6 +73,9 @@ pub struct EdgeDiagnostics {
     pub steps: Vec<u64>,
     /// Cache entries handed back to restarted clients.
     pub restored_entries: u64,
+    /// The first few undelivered deltas `(node index, layer, seq)`, for debugging (empty when
+    /// the invariant holds).
+    pub undelivered: Vec<DeltaKey>,
     /// Global model parameters finite at the end (no divergence).
     pub finite: bool,
 }
@@ -205,14 +210,40 @@ enum LinkRef {
 }
 
 enum Event {
-    ComputeDone { node: usize, compute_gen: u64 },
-    Hop { hop: u8, deadline: Option<SimTime>, bytes: u64, cargo: Box<Cargo> },
-    NodeTimer { node: usize, gen: u64, at: u64 },
-    AggTimer { agg: usize, at: u64 },
-    DownlinkFree { node: usize, gen: u64 },
-    LinkUp { node: usize },
-    Rejoin { node: usize, gen: u64 },
-    Churn { index: usize, back: bool },
+    ComputeDone {
+        node: usize,
+        compute_gen: u64,
+    },
+    Hop {
+        hop: u8,
+        deadline: Option<SimTime>,
+        bytes: u64,
+        cargo: Box<Cargo>,
+    },
+    NodeTimer {
+        node: usize,
+        gen: u64,
+        at: u64,
+    },
+    AggTimer {
+        agg: usize,
+        at: u64,
+    },
+    DownlinkFree {
+        node: usize,
+        gen: u64,
+    },
+    LinkUp {
+        node: usize,
+    },
+    Rejoin {
+        node: usize,
+        gen: u64,
+    },
+    Churn {
+        index: usize,
+        back: bool,
+    },
     Eval,
 }
 
@@ -220,9 +251,7 @@ enum Event {
 fn nominal_bits_per_sec(spec: &LinkSpec, trace: Option<&Trace>) -> f64 {
     match (spec.bandwidth, trace) {
         (Some(b), _) => b.bits_per_sec() as f64,
-        (None, Some(t)) => {
-            t.bytes_per_period() as f64 * 8.0 / t.period().as_secs_f64().max(1e-9)
-        }
+        (None, Some(t)) => t.bytes_per_period() as f64 * 8.0 / t.period().as_secs_f64().max(1e-9),
         (None, None) => 1.0,
     }
 }
@@ -528,8 +557,7 @@ impl<'a> World<'a> {
                 SyncMode::Elastic => 0.0,
                 SyncMode::Blocking => spec.aggregators.blocking_round_timeout_s,
             };
-            let deadline_ns =
-                ((spec.deadline_ms / 1e3 + nominal_s + round_wait_s) * 1e9) as u64;
+            let deadline_ns = ((spec.deadline_ms / 1e3 + nominal_s + round_wait_s) * 1e9) as u64;
             let mut outage_ends: Vec<SimTime> = if lossless {
                 Vec::new()
             } else {
@@ -787,7 +815,11 @@ impl<'a> World<'a> {
                 if self.nodes[node].gen == gen {
                     let n = &mut self.nodes[node];
                     let l = layer as usize;
-                    n.sent_version[l] = n.client.as_ref().and_then(|c| c.version(layer)).unwrap_or(0);
+                    n.sent_version[l] = n
+                        .client
+                        .as_ref()
+                        .and_then(|c| c.version(layer))
+                        .unwrap_or(0);
                     if !n.pending_versions.contains_key(&layer) {
                         let bytes = self.layers[l].version_frame_bytes;
                         self.enqueue_version(node, layer, version, bytes, Rc::new(msg), true);
@@ -871,7 +903,10 @@ impl<'a> World<'a> {
         if !n.subscribed || (!forced && version <= n.sent_version[layer as usize]) {
             return;
         }
-        if n.pending_versions.get(&layer).is_some_and(|p| p.version >= version) {
+        if n.pending_versions
+            .get(&layer)
+            .is_some_and(|p| p.version >= version)
+        {
             return;
         }
         self.version_order += 1;
@@ -988,14 +1023,6 @@ impl<'a> World<'a> {
                     }
                 }
                 cpu_aggregator::Output::Event(e) => match e {
-                    e if std::env::var("EDGE_TRACE").is_ok_and(|v| matches!(&e, AggEvent::DroppedStale { from, .. } | AggEvent::DuplicateRejected { from, .. } if (from - 1).to_string() == v)) => {
-                        eprintln!("{} agg {e:?}", self.now());
-                        if let AggEvent::DroppedStale { from, layer_id, seq, .. } = e {
-                            if let Some(node) = self.node_of_wire(from) {
-                                self.ledger.dropped((node, layer_id, seq));
-                            }
-                        }
-                    }
                     AggEvent::Applied { staleness, .. } => {
                         for tau in staleness {
                             *self.staleness.entry(tau).or_default() += 1;
@@ -1046,10 +1073,7 @@ impl<'a> World<'a> {
             if n.timer_at.is_none_or(|t| at < t) {
                 n.timer_at = Some(at);
                 let gen = n.gen;
-                self.schedule(
-                    SimTime::from_nanos(at),
-                    Event::NodeTimer { node, gen, at },
-                );
+                self.schedule(SimTime::from_nanos(at), Event::NodeTimer { node, gen, at });
             }
         }
         if self.nodes[node].status == Status::Waiting && self.round_complete(node) {
@@ -1074,7 +1098,11 @@ impl<'a> World<'a> {
     fn pump_node(&mut self, node: usize) {
         let now = self.now();
         loop {
-            let Some(out) = self.nodes[node].client.as_mut().and_then(|c| c.poll_output()) else {
+            let Some(out) = self.nodes[node]
+                .client
+                .as_mut()
+                .and_then(|c| c.poll_output())
+            else {
                 return;
             };
             match out {
@@ -1129,7 +1157,10 @@ impl<'a> World<'a> {
             .and_then(|a| usize::try_from(a).ok())
             .filter(|&a| a < self.aggs.len())
         else {
-            self.fatal = Some(format!("{}: delta addressed to unknown node {to}", self.nodes[node].name));
+            self.fatal = Some(format!(
+                "{}: delta addressed to unknown node {to}",
+                self.nodes[node].name
+            ));
             return;
         };
         let key = (node, payload.layer_id, payload.seq);
@@ -1179,9 +1210,6 @@ impl<'a> World<'a> {
     }
 
     fn on_client_event(&mut self, node: usize, e: ClientEvent) {
-        if std::env::var("EDGE_TRACE").is_ok_and(|v| v == node.to_string()) {
-            eprintln!("{} node {node} {e:?}", self.now());
-        }
         match e {
             ClientEvent::WeakSynced { layer_id, seq, .. } => {
                 self.weak_sync_events += 1;
@@ -1623,33 +1651,25 @@ impl<'a> World<'a> {
     }
 
     fn report(self, end_s: f64) -> (StrategyResult, EdgeDiagnostics) {
-        let check = self.ledger.check(|key| {
-            let (node, layer, seq) = key;
+        let still_held = |key: &DeltaKey| {
+            let &(node, layer, seq) = key;
             let n = &self.nodes[node];
             n.store.contains_key(&(layer, seq))
-                || self.in_transit.contains_key(&key)
-                || n
-                    .client
+                || self.in_transit.contains_key(key)
+                || n.client
                     .as_ref()
                     .and_then(|c| c.in_flight(layer))
                     .is_some_and(|f| f.seq == seq)
-        });
-        if check.undelivered > 0 && std::env::var("EDGE_DEBUG").is_ok() {
-            for (key, e) in self.ledger.entries() {
-                if e.fate == super::ledger::Fate::Outstanding {
-                    let n = &self.nodes[key.0];
-                    let c = n.client.as_ref();
-                    eprintln!(
-                        "outstanding {key:?} {e:?} status {:?} in_flight {:?} pending {:?} store {:?} transit {:?}",
-                        n.status,
-                        c.and_then(|c| c.in_flight(key.1)).map(|f| (f.seq, f.attempts, f.from_cache)),
-                        c.map(|c| c.cached_entries(key.1).map(|e| e.seq).collect::<Vec<_>>()),
-                        n.store.keys().filter(|k| k.0 == key.1).collect::<Vec<_>>(),
-                        self.in_transit.get(&key)
-                    );
-                }
-            }
-        }
+        };
+        let check = self.ledger.check(|key| still_held(&key));
+        let undelivered: Vec<DeltaKey> = self
+            .ledger
+            .entries()
+            .filter(|(_, e)| e.fate == super::ledger::Fate::Outstanding)
+            .map(|(key, _)| key)
+            .filter(|key| !still_held(key))
+            .take(UNDELIVERED_LISTED)
+            .collect();
         let mut counters = (0u64, 0u64, 0u64);
         for a in &self.aggs {
             let c = a.state.counters();
@@ -1702,6 +1722,7 @@ impl<'a> World<'a> {
             aggregator_dropped_stale: counters.2,
             steps: self.nodes.iter().map(|n| n.steps).collect(),
             restored_entries: self.restored_entries,
+            undelivered,
             finite,
         };
         (result, diagnostics)
