@@ -138,7 +138,8 @@ struct SimNode {
     up: Link,
     down: Link,
     outage_ends: Vec<SimTime>,
-    step_times: f64,
+    /// Nominal virtual seconds of one training step (forward + backward).
+    step_s: f64,
     straggler: Straggler,
     compute_rng: SimRng,
     samples_per_step: usize,
@@ -582,7 +583,7 @@ impl<'a> World<'a> {
                 up,
                 down,
                 outage_ends,
-                step_times: times.forward_total() + times.backward_total(),
+                step_s: times.forward_total() + times.backward_total(),
                 straggler,
                 compute_rng: root.fork(&format!("compute:{name}")),
                 samples_per_step: batch,
@@ -1305,7 +1306,7 @@ impl<'a> World<'a> {
         }
         n.training_started_at.get_or_insert(now);
         let factor = n.straggler.factor(&mut n.compute_rng);
-        let dt = SimDuration::try_from_secs_f64(n.step_times * factor).unwrap_or(SimDuration::MAX);
+        let dt = SimDuration::try_from_secs_f64(n.step_s * factor).unwrap_or(SimDuration::MAX);
         let compute_gen = n.compute_gen;
         self.schedule(now + dt, Event::ComputeDone { node, compute_gen });
     }
