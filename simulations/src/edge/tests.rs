@@ -1,0 +1,316 @@
+//! Tests of the edge simulation: determinism, the weak-sync invariant under heavy loss and
+//! outages, elastic versus blocking, crash and restart, spec errors. All on the embedded
+//! `digits` data set with tiny scenarios (fast in the dev profile); the measurement of the
+//! built-in scenarios is an ignored test.
+
+use std::path::Path;
+
+use gpu_worker::task::{load_data, ModelKind, Task};
+
+use super::*;
+
+fn digits_task() -> Task {
+    let data = load_data("digits", None).expect("digits are embedded");
+    Task::new(ModelKind::Mlp, "digits", data).expect("mlp on digits")
+}
+
+/// The task a built-in scenario would run: MNIST when the shared data is there, else digits.
+fn scenario_task(s: &Scenario) -> Task {
+    let dir = engine::data::locate::shared_datasets_dir();
+    let dataset = match (s.dataset.as_str(), dir.as_deref()) {
+        ("auto", Some(d)) if d.join("mnist").is_dir() => "mnist",
+        ("auto", _) => "digits",
+        (other, _) => other,
+    };
+    let data = load_data(dataset, dir.as_deref()).expect("data set");
+    Task::new(ModelKind::Mlp, dataset, data).expect("task")
+}
+
+/// A tiny edge scenario on digits: 1 cloud node, 2 aggregators, 3 edge devices on a lossy
+/// constant-rate link. `extra` is appended (more tables / churn).
+fn tiny(edge_link: &str, extra: &str) -> Scenario {
+    let text = format!(
+        r#"
+name = "tiny"
+seed = 3
+kind = "edge"
+model = "mlp"
+dataset = "digits"
+batch = 16
+max_steps = 120
+max_virtual_s = 300
+eval_every_s = 2
+eval_limit = 400
+target = 0.85
+period = 2
+strategies = ["elastic", "blocking", "elastic-lossless"]
+
+[edge]
+deadline_ms = 200
+
+[edge.cloud]
+count = 1
+workers = 2
+link = "dc"
+
+[edge.aggregators]
+count = 2
+link = "agg"
+outer_lr = 0.25
+
+[edge.staleness]
+tau_max = 64
+
+[edge.devices]
+count = 3
+links = ["edge"]
+slowdown = 100.0
+jitter = 0.2
+
+[links.dc]
+bandwidth = "100mbit"
+latency_ms = 5
+
+[links.agg]
+bandwidth = "1gbit"
+latency_ms = 1
+
+[links.edge]
+{edge_link}
+
+{extra}
+"#
+    );
+    Scenario::parse(&text, "tiny", Path::new(".")).expect("tiny scenario parses")
+}
+
+const LOSSY: &str = "bandwidth = \"1mbit\"\nlatency_ms = 40\njitter_ms = 10\nloss = 0.05";
+
+const HOSTILE: &str = "bandwidth = \"1mbit\"\nlatency_ms = 40\njitter_ms = 10\nloss = 0.05\n\
+gilbert_elliott = { p_good_to_bad = 0.01, p_bad_to_good = 0.02, loss_bad = 0.95 }\n\
+outages = [{ start_s = 3, duration_s = 20 }, { start_s = 40, duration_s = 25 }]";
+
+fn run(s: &Scenario, strategy: &str) -> (StrategyResult, EdgeDiagnostics) {
+    run_edge_detailed(s, &digits_task(), strategy, &mut |_| {}).expect("run")
+}
+
+#[test]
+fn same_seed_same_result_and_the_seed_matters() {
+    let s = tiny(LOSSY, "");
+    let task = digits_task();
+    let a = run_edge(&s, &task, "elastic", &mut |_| {}).unwrap();
+    let b = run_edge(&s, &task, "elastic", &mut |_| {}).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a.wall_seconds, 0.0);
+    assert!(a.series.len() > 3 && a.bytes_sent > 0);
+    let mut other = s.clone();
+    other.seed = 4;
+    assert_ne!(a, run_edge(&other, &task, "elastic", &mut |_| {}).unwrap());
+}
+
+#[test]
+fn no_delta_is_lost_under_bursty_loss_and_outages() {
+    let s = tiny(HOSTILE, "");
+    for strategy in ["elastic", "blocking"] {
+        let (r, d) = run(&s, strategy);
+        assert_eq!(r.undelivered_deltas, 0, "{strategy}: {:?}", d.ledger);
+        assert_eq!(d.ledger.applied_twice, 0, "{strategy}");
+        assert!(d.finite, "{strategy}: the global model diverged");
+        assert_eq!(d.aggregator_applied, d.ledger.applied, "{strategy}");
+        assert!(r.bytes_by_link_class["edge"] > 0 && r.bytes_by_link_class["aggregator"] > 0);
+    }
+    // Elastic keeps training through the outages and still learns.
+    let (r, d) = run(&s, "elastic");
+    assert!(r.weak_sync_events > 0, "the test needs weak syncs");
+    assert!(d.ledger.weak_applied > 0, "{:?}", d.ledger);
+    assert!(r.final_accuracy.unwrap() > 0.8, "{:?}", r.final_accuracy);
+    assert!(d.steps.iter().all(|&n| n == 120), "{:?}", d.steps);
+}
+
+#[test]
+fn elastic_reaches_the_target_sooner_than_blocking() {
+    let s = tiny(LOSSY, "");
+    let (elastic, _) = run(&s, "elastic");
+    let (blocking, _) = run(&s, "blocking");
+    let (lossless, _) = run(&s, "elastic-lossless");
+    let e = elastic
+        .time_to_target_s
+        .expect("elastic reaches the target");
+    let b = blocking.time_to_target_s.unwrap_or(f64::INFINITY);
+    assert!(2.0 * e <= b, "elastic {e} s, blocking {b} s");
+    assert!(blocking.mean_step_s > 2.0 * elastic.mean_step_s);
+    let gap = (elastic.final_accuracy.unwrap() - lossless.final_accuracy.unwrap()).abs();
+    assert!(gap < 0.03, "elastic vs lossless final accuracy gap {gap}");
+}
+
+#[test]
+fn a_crashed_node_delivers_its_cached_deltas_exactly_once_after_restart() {
+    // The edge link is down from 2 s to 40 s, so deltas go to the weak-sync caches; edge-1
+    // crashes at 20 s (losing everything in memory) and restarts at 50 s from its cache.
+    // Meanwhile edge-2 joins late and edge-0 leaves for a while.
+    let link = "bandwidth = \"1mbit\"\nlatency_ms = 40\nloss = 0.02\noutages = [{ start_s = 2, duration_s = 38 }]";
+    let churn =
+        "[[edge.churn]]\nnode = \"edge-1\"\nat_s = 20\naction = \"crash\"\nback_at_s = 50\n\n\
+[[edge.churn]]\nnode = \"edge-2\"\nat_s = 5\naction = \"join\"\n\n\
+[[edge.churn]]\nnode = \"edge-0\"\nat_s = 3\naction = \"leave\"\nback_at_s = 12";
+    let s = tiny(link, churn);
+    let (r, d) = run(&s, "elastic");
+    assert!(
+        d.restored_entries > 0,
+        "the test needs cached deltas at the crash"
+    );
+    assert_eq!(d.ledger.restored, d.restored_entries);
+    // Each restored delta was applied exactly once, or dropped as too stale (its sender told
+    // to re-sync): never lost, never applied twice.
+    assert!(d.ledger.restored_applied > 0);
+    assert_eq!(
+        d.ledger.restored_applied + d.ledger.restored_dropped,
+        d.ledger.restored,
+        "{:?}",
+        d.ledger
+    );
+    assert_eq!(d.ledger.applied_twice, 0);
+    assert_eq!(r.undelivered_deltas, 0);
+    assert_eq!(d.aggregator_applied, d.ledger.applied);
+    // The node that left came back and finished; the restarted node and the late joiner
+    // trained too.
+    assert_eq!(d.steps[1], 120, "{:?}", d.steps);
+    assert!(d.steps[2] > 0 && d.steps[3] > 0, "{:?}", d.steps);
+    assert!(d.finite);
+}
+
+#[test]
+fn spec_errors_name_the_key() {
+    let err = |s: Scenario| run_edge(&s, &digits_task(), "elastic", &mut |_| {}).unwrap_err();
+    let mut s = tiny(LOSSY, "");
+    s.edge.as_mut().unwrap().devices.links = vec!["edge".into(), "wifi".into()];
+    let e = err(s);
+    assert!(
+        e.starts_with("edge.devices.links[1]: unknown link 'wifi'"),
+        "{e}"
+    );
+
+    let mut s = tiny(LOSSY, "");
+    s.edge.as_mut().unwrap().cloud.device = "tpu".into();
+    assert!(err(s).starts_with("edge.cloud.device: unknown device class 'tpu'"));
+
+    let s = tiny(
+        LOSSY,
+        "[[edge.churn]]\nnode = \"edge-9\"\nat_s = 1\naction = \"crash\"",
+    );
+    assert!(err(s).starts_with("edge.churn[0].node: unknown node 'edge-9'"));
+
+    let s = tiny(
+        LOSSY,
+        "[[edge.churn]]\nnode = \"edge-0\"\nat_s = 5\naction = \"crash\"\nback_at_s = 2",
+    );
+    assert!(err(s).starts_with("edge.churn[0].back_at_s: must be later"));
+
+    let s = tiny("bandwidth = \"1mbit\"\nloss = 2.0", "");
+    assert!(
+        err(s).contains("edge.devices.links[0] (link edge, direction up): loss must be in [0,1]")
+    );
+
+    let s = tiny(
+        LOSSY,
+        "[[edge.churn]]\nnode = \"edge-0\"\nat_s = 1\naction = \"crash\"\n\n\
+[[edge.churn]]\nnode = \"edge-0\"\nat_s = 5\naction = \"join\"",
+    );
+    assert!(err(s).starts_with("edge.churn[1].at_s: edge-0 joins at 5 s"));
+
+    let mut s = tiny(LOSSY, "");
+    s.edge.as_mut().unwrap().aggregators.round_size = 0;
+    assert!(err(s).starts_with("edge.aggregators.round_size: must be at least 1"));
+
+    assert!(
+        run_edge(&tiny(LOSSY, ""), &digits_task(), "gossip", &mut |_| {})
+            .unwrap_err()
+            .contains("unknown edge strategy 'gossip'")
+    );
+
+    // Unknown keys are refused by the parser, which names them.
+    let text = "name = \"x\"\nkind = \"edge\"\ntarget = 0.9\nstrategies = [\"elastic\"]\n\
+[edge]\ndeadline = 5\n[edge.aggregators]\nlink = \"a\"\n[edge.devices]\ncount = 1\nlinks = [\"a\"]\n";
+    let e = Scenario::parse(text, "x", Path::new("."))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown field `deadline`"), "{e}");
+}
+
+/// Known bug outside the simulator, found by the invariant check: a `Resync` names no seq, so
+/// when a retransmitted copy of an already-dropped delta is dropped again, the client drops
+/// whatever delta of that layer is in flight *now* (`edge_agent::SyncClient::handle_resync`),
+/// although the aggregator never saw it applied or dropped: that delta is lost. Triggered here
+/// by a tiny `tau_max` (many drops) and short deadlines (many retransmissions). Fix: carry the
+/// dropped delta's seq in `protocol::Resync` and drop the in-flight delta only when it matches.
+#[test]
+#[ignore = "edge-agent/protocol bug: Resync carries no seq, a late Resync drops the wrong delta"]
+fn a_late_resync_must_not_drop_a_newer_delta() {
+    let mut s = tiny(HOSTILE, "");
+    s.seed = 2;
+    let spec = s.edge.as_mut().unwrap();
+    spec.staleness.tau_max = 2;
+    spec.deadline_ms = 50.0;
+    let (r, d) = run(&s, "elastic");
+    assert_eq!(r.undelivered_deltas, 0, "lost: {:?}", d.undelivered);
+}
+
+#[test]
+fn builtin_edge_scenarios_resolve() {
+    for name in ["default", "edge-outage"] {
+        let (s, _) = Scenario::load(name).expect(name);
+        let spec = s.edge.as_ref().expect("edge table");
+        let resolved = spec.resolve(&s).expect(name);
+        assert_eq!(resolved.edge_links.len(), spec.devices.count);
+        for strategy in &s.strategies {
+            assert!(STRATEGIES.contains(&strategy.as_str()), "{strategy}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "measurement: cargo test --release -p simulations measure_builtin -- --ignored --nocapture"]
+fn measure_builtin_scenarios() {
+    let names = std::env::var("EDGE_SCENARIOS").unwrap_or_else(|_| "default,edge-outage".into());
+    for name in names.split(',') {
+        let (scenario, _) = Scenario::load(name).expect("built-in scenario");
+        let task = scenario_task(&scenario);
+        println!("== {name} ({} on {})", task.model.name(), task.dataset);
+        let total = std::time::Instant::now();
+        let only = std::env::var("EDGE_STRATEGIES").ok();
+        for strategy in &scenario.strategies {
+            if only
+                .as_ref()
+                .is_some_and(|o| !o.split(',').any(|x| x == strategy))
+            {
+                continue;
+            }
+            let started = std::time::Instant::now();
+            let (r, d) = run_edge_detailed(&scenario, &task, strategy, &mut |_| {}).expect("run");
+            println!(
+                "{strategy:>17}: to-target {:?} s, final acc {:?}, virtual {:.1} s, wall {:.1} s, steps {:?}, weak {}, undelivered {}, cached {}, bytes {:?}, step {:.4} s",
+                r.time_to_target_s,
+                r.final_accuracy,
+                r.virtual_seconds,
+                started.elapsed().as_secs_f64(),
+                d.steps,
+                r.weak_sync_events,
+                r.undelivered_deltas,
+                r.cached_at_end,
+                r.bytes_by_link_class,
+                r.mean_step_s,
+            );
+            println!("    ledger {:?} undelivered {:?}", d.ledger, d.undelivered);
+            println!("    staleness {:?}", r.staleness_histogram);
+            let pts: Vec<String> = r
+                .series
+                .iter()
+                .map(|p| format!("{:.0}:{:.3}", p.time_s, p.accuracy.unwrap_or(0.0)))
+                .collect();
+            let step = (pts.len() / 40).max(1);
+            let pts: Vec<String> = pts.into_iter().step_by(step).collect();
+            println!("    series {}", pts.join(" "));
+        }
+        println!("   total wall {:.1} s", total.elapsed().as_secs_f64());
+    }
+}
