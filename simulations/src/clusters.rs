@@ -34,8 +34,10 @@
 //! (PyTorch DDP); mathematically that is **one replica** training on the cluster's batch
 //! (`workers × batch`), which is how it is simulated: one [`Replica`](crate::replica::Replica) per cluster, its batch the
 //! union of its workers' batches. The time of a step is that of one worker on `batch` samples
-//! (workers run in parallel) plus the intra-cluster ring all-reduce of the gradients (DDP
-//! buckets, launched as each bucket's gradients are ready; after backward for `ssgd`). Replicas
+//! (workers run in parallel) plus the intra-cluster ring all-reduce of the gradients on a FIFO
+//! interconnect: after backward for `ssgd`; per DDP bucket as its gradients are ready for
+//! `wfbp`; per layer from the backward hook for `localsgd` and `dreamddp`, whose layer is
+//! stepped (and, for dreamddp, its sync launched) once its reduce is done. Replicas
 //! are combined with weights proportional to their workers, which makes every average equal to
 //! the flat average over all workers. A hierarchical all-reduce's final intra-cluster broadcast
 //! is folded into the one intra-cluster all-reduce.

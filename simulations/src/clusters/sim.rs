@@ -64,7 +64,7 @@ pub(super) struct Simulation<'a> {
     /// Averaging weight of each cluster (its share of the workers).
     weights: Vec<f32>,
     plan: SyncPlan,
-    /// DDP buckets used inside a cluster (the `wfbp` plan's), backward order.
+    /// Gradient buckets reduced inside a cluster, backward order.
     intra_buckets: Vec<Bucket>,
     intra_bucket_of: Vec<usize>,
     /// Parameterized layer indices, forward order.
@@ -180,7 +180,22 @@ impl<'a> Simulation<'a> {
             &PlanConfig::new(Strategy::Wfbp, scenario.period),
             None,
         )?;
-        let intra_buckets = intra_plan.buckets().to_vec();
+        // wfbp reduces DDP buckets inside a cluster too; the parameter-averaging strategies
+        // reduce each layer's gradient from the backward hook (so a layer can be stepped, and
+        // for dreamddp its sync launched, as soon as possible); ssgd reduces after backward.
+        let intra_buckets = match strategy {
+            Strategy::LocalSgd | Strategy::DreamDdp => infos
+                .iter()
+                .rev()
+                .enumerate()
+                .map(|(id, info)| Bucket {
+                    id,
+                    layers: vec![info.index],
+                    params: info.params,
+                })
+                .collect(),
+            Strategy::Ssgd | Strategy::Wfbp => intra_plan.buckets().to_vec(),
+        };
 
         let mut clusters = Vec::with_capacity(world);
         for (rank, setup) in setups.into_iter().enumerate() {
@@ -272,6 +287,12 @@ impl<'a> Simulation<'a> {
             global,
             scratch: Vec::new(),
         })
+    }
+
+    /// The sync plan as a table (see [`SyncPlan::describe`]).
+    #[cfg(test)]
+    pub(super) fn plan_description(&self) -> String {
+        self.plan.describe()
     }
 
     /// Runs the strategy to `max_steps` or `max_virtual_s` (or the target, when asked).
@@ -485,7 +506,7 @@ impl<'a> Simulation<'a> {
             let intra_end = intra_reduce(c, &self.intra_buckets, &mut self.intra_bytes);
             c.clock = backward_end.max(intra_end);
         }
-        if (step + 1) % self.plan.period() == 0 {
+        if (step + 1).is_multiple_of(self.plan.period()) {
             let ready = self.lockstep_start();
             let span = self.fabric.all_reduce(ready, self.total_bytes)?;
             let units = self.units.clone();
@@ -594,7 +615,7 @@ impl<'a> Simulation<'a> {
                 for c in &mut self.clusters {
                     c.replica.step_all();
                 }
-                if (step + 1) % self.plan.period() == 0 {
+                if (step + 1).is_multiple_of(self.plan.period()) {
                     for i in 0..self.units.len() {
                         let layer = self.units[i];
                         self.average_and_write(layer, false);
@@ -681,7 +702,7 @@ fn walk(
     t
 }
 
-/// Runs cluster `c`'s intra-cluster all-reduces of this step's DDP buckets in backward order
+/// Runs cluster `c`'s intra-cluster all-reduces of this step's gradient buckets in backward order
 /// on its FIFO interconnect; each starts once its last gradient is ready. Returns when the
 /// last one ended.
 fn intra_reduce(c: &mut ClusterState, buckets: &[Bucket], intra_bytes: &mut u64) -> SimTime {

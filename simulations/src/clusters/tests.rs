@@ -303,18 +303,31 @@ fn shipped_cluster_scenarios_parse_and_validate() {
 #[test]
 #[ignore]
 fn measure_two_datacenters() {
-    measure("two-datacenters");
+    measure("two-datacenters", None);
+}
+
+/// [`measure_two_datacenters`] with the GPUs modelled by the built-in `a100` class instead
+/// of the scenario's paper-ratio class (a purely communication-bound run).
+#[test]
+#[ignore]
+fn measure_two_datacenters_builtin_a100() {
+    measure("two-datacenters", Some("a100"));
 }
 
 /// Like [`measure_two_datacenters`], for `mixed-cpu-gpu`.
 #[test]
 #[ignore]
 fn measure_mixed_cpu_gpu() {
-    measure("mixed-cpu-gpu");
+    measure("mixed-cpu-gpu", None);
 }
 
-fn measure(name: &str) {
-    let (s, _) = Scenario::load(name).expect("built-in scenario");
+fn measure(name: &str, device: Option<&str>) {
+    let (mut s, _) = Scenario::load(name).expect("built-in scenario");
+    if let Some(device) = device {
+        for g in &mut s.clusters.as_mut().expect("clusters").groups {
+            g.device = device.to_string();
+        }
+    }
     let dataset = match s.dataset.as_str() {
         "auto" if engine::data::locate::shared_mnist_dir().is_some() => "mnist",
         "auto" => "digits",
@@ -342,6 +355,17 @@ fn measure(name: &str) {
             r.bytes_by_link_class["inter-cluster"],
             wall.elapsed().as_secs_f64()
         );
+        if std::env::var_os("CLUSTERS_SERIES").is_some() {
+            for e in r.timeline.iter().take(12) {
+                println!("    sync {} {:.4} -> {:.4}", e.layer, e.start_s, e.end_s);
+            }
+            for p in &r.series {
+                println!(
+                    "    t {:.3} acc {:?} steps {}",
+                    p.time_s, p.accuracy, p.mean_steps
+                );
+            }
+        }
         results.push(r);
     }
     let dream = results.iter().find(|r| r.strategy == "dreamddp");
@@ -352,4 +376,24 @@ fn measure(name: &str) {
             }
         }
     }
+}
+
+/// Prints the dreamddp plan of the shipped `two-datacenters` scenario.
+#[test]
+#[ignore]
+fn print_two_datacenters_plan() {
+    let (s, _) = Scenario::load("two-datacenters").expect("built-in scenario");
+    let dir = engine::data::locate::shared_datasets_dir();
+    let data = load_data("mnist", dir.as_deref()).expect("data");
+    let task = Task::new(ModelKind::Cnn, "mnist", data).expect("task");
+    let spec = s.clusters.as_ref().expect("clusters");
+    let sim = sim::Simulation::new(
+        &s,
+        spec,
+        spec.clusters(&s).unwrap(),
+        &task,
+        Strategy::DreamDdp,
+    )
+    .expect("builds");
+    println!("{}", sim.plan_description());
 }
