@@ -1,0 +1,399 @@
+//! Tests of the clusters simulation: determinism, hand-computed lockstep time accounting,
+//! dreamddp hiding communication, learning, error messages; plus an ignored measurement of
+//! the shipped `two-datacenters` scenario.
+
+use std::path::Path;
+
+use gpu_worker::task::{load_data, ModelKind, Task};
+
+use super::*;
+use crate::compute::DeviceClass;
+
+fn digits_task(model: ModelKind) -> Task {
+    let data = load_data("digits", None).expect("embedded digits");
+    Task::new(model, "digits", data).expect("task")
+}
+
+fn scenario(extra_clusters: &str, link: &str, head: &str) -> Scenario {
+    let text = format!(
+        r#"
+name = "test"
+kind = "clusters"
+model = "mlp"
+dataset = "digits"
+batch = 16
+max_steps = 40
+eval_every_s = 0.05
+eval_limit = 300
+target = 0.8
+strategies = ["ssgd", "wfbp", "localsgd", "dreamddp"]
+period = 2
+seed = 5
+{head}
+[links.wan]
+{link}
+[clusters]
+inter_link = "wan"
+{extra_clusters}
+"#
+    );
+    Scenario::parse(&text, "test", Path::new(".")).expect("test scenario parses")
+}
+
+fn default_scenario() -> Scenario {
+    scenario(
+        r#"groups = [{ name = "dc", count = 2, workers = 2, device = "a100", jitter = 0.2 }]"#,
+        "bandwidth = \"20mbit\"\nlatency_ms = 5",
+        "",
+    )
+}
+
+fn run(s: &Scenario, task: &Task, strategy: &str) -> StrategyResult {
+    let mut calls = 0;
+    let r = simulate(s, task, strategy, &mut |f| {
+        assert!((0.0..=1.0).contains(&f), "progress {f}");
+        calls += 1;
+    })
+    .unwrap_or_else(|e| panic!("{strategy}: {e}"));
+    assert!(calls > 0);
+    r
+}
+
+#[test]
+fn same_seed_gives_identical_results_and_another_seed_differs() {
+    let task = digits_task(ModelKind::Mlp);
+    let s = default_scenario();
+    for strategy in ["wfbp", "dreamddp"] {
+        let a = run(&s, &task, strategy);
+        let b = run(&s, &task, strategy);
+        assert_eq!(a, b, "{strategy}");
+        let mut other = s.clone();
+        other.seed = 6;
+        let c = run(&other, &task, strategy);
+        assert_ne!(a.virtual_seconds, c.virtual_seconds, "{strategy}: jitter");
+        assert_ne!(a.series, c.series, "{strategy}");
+    }
+}
+
+#[test]
+fn ssgd_step_is_forward_plus_backward_plus_exchange() {
+    // A device whose per-layer times are whole nanoseconds; one worker per cluster (no intra
+    // reduce); 8 Mbit/s = one byte per microsecond, 10 ms one way, MTU 1500.
+    let s = scenario(
+        r#"groups = [{ name = "dc", count = 2, workers = 1, device = "slow" }]
+[clusters.devices.slow]
+flops = 1e9
+layer_overhead_s = 1e-6"#,
+        "bandwidth = \"8mbit\"\nlatency_ms = 10",
+        "",
+    );
+    let task = digits_task(ModelKind::Mlp);
+    let model = task.build_model(5);
+    let device = DeviceClass {
+        flops: 1e9,
+        layer_overhead_s: 1e-6,
+    };
+    let mut compute_ns = 0u64;
+    for l in &model.layers {
+        let macs = l.layer.forward_macs_per_sample();
+        compute_ns += (device.forward_s(macs, 16) * 1e9).round() as u64;
+        compute_ns += (device.backward_s(macs, 16) * 1e9).round() as u64;
+    }
+    let bytes = model.param_count() as u64 * 4;
+    // Every 1500-byte packet takes 1.5 ms; the last one is through `bytes` µs after the start.
+    let exchange_ns = 10_000_000 + bytes * 1000;
+    let step_ns = compute_ns + exchange_ns;
+    let r = run(&s, &task, "ssgd");
+    let expected = 40.0 * step_ns as f64 * 1e-9;
+    assert!(
+        (r.virtual_seconds - expected).abs() < 1e-9,
+        "{} vs {expected}",
+        r.virtual_seconds
+    );
+    assert!((r.mean_step_s - step_ns as f64 * 1e-9).abs() < 1e-12);
+    assert_eq!(r.bytes_by_link_class["inter-cluster"], 40 * 2 * bytes);
+    assert_eq!(r.bytes_by_link_class["intra-cluster"], 0);
+    assert_eq!(r.bytes_sent, 40 * 2 * bytes);
+    // One sync event per layer per step, all from the same collective.
+    let units = model.layer_infos().len() as u64;
+    assert_eq!(r.timeline.len() as u64, 40 * units);
+    assert_eq!(r.staleness_histogram.get(&0), Some(&(40 * units)));
+    let first = &r.timeline[0];
+    assert!((first.start_s - compute_ns as f64 * 1e-9).abs() < 1e-12);
+    assert!((first.end_s - step_ns as f64 * 1e-9).abs() < 1e-12);
+}
+
+#[test]
+fn intra_cluster_reduce_is_charged_and_counted() {
+    let one = scenario(
+        r#"groups = [{ name = "dc", count = 2, workers = 1, device = "a100" }]"#,
+        "bandwidth = \"20mbit\"\nlatency_ms = 5",
+        "",
+    );
+    let mut four = one.clone();
+    four.clusters.as_mut().unwrap().groups[0].workers = 4;
+    four.clusters.as_mut().unwrap().intra_bandwidth = Bandwidth::from_mbit(100);
+    let task = digits_task(ModelKind::Mlp);
+    let a = run(&one, &task, "ssgd");
+    let b = run(&four, &task, "ssgd");
+    let bytes = task.build_model(5).param_count() as u64 * 4;
+    assert_eq!(b.bytes_by_link_class["intra-cluster"], 40 * 2 * 6 * bytes);
+    assert!(b.virtual_seconds > a.virtual_seconds);
+}
+
+#[test]
+fn dreamddp_hides_communication_that_ssgd_and_localsgd_expose() {
+    // Compute comparable to communication: a slow device and a slow link.
+    let s = scenario(
+        r#"groups = [{ name = "dc", count = 2, workers = 1, device = "slow" }]
+[clusters.devices.slow]
+flops = 2e8
+layer_overhead_s = 2e-3"#,
+        "bandwidth = \"50mbit\"\nlatency_ms = 2",
+        "",
+    );
+    let task = digits_task(ModelKind::Mlp);
+    let ssgd = run(&s, &task, "ssgd");
+    let local = run(&s, &task, "localsgd");
+    let dream = run(&s, &task, "dreamddp");
+    assert!(
+        dream.mean_step_s < local.mean_step_s && local.mean_step_s < ssgd.mean_step_s,
+        "dreamddp {} localsgd {} ssgd {}",
+        dream.mean_step_s,
+        local.mean_step_s,
+        ssgd.mean_step_s
+    );
+    // dreamddp moves each layer once per period, like localsgd.
+    assert_eq!(
+        dream.bytes_by_link_class["inter-cluster"],
+        local.bytes_by_link_class["inter-cluster"]
+    );
+    assert_eq!(
+        dream
+            .staleness_histogram
+            .keys()
+            .copied()
+            .collect::<Vec<_>>(),
+        vec![1]
+    );
+}
+
+#[test]
+fn every_strategy_learns_digits() {
+    let mut s = default_scenario();
+    s.max_steps = 80;
+    let task = digits_task(ModelKind::Mlp);
+    for strategy in STRATEGIES {
+        let r = run(&s, &task, strategy);
+        let first = r.series[0].accuracy.expect("classification");
+        let last = r.final_accuracy.expect("classification");
+        assert!(
+            last > 0.8 && last > first + 0.4,
+            "{strategy}: {first} -> {last}"
+        );
+        let t = r.time_to_target_s.expect("target 0.8 reached");
+        assert!(t <= r.virtual_seconds, "{strategy}");
+        assert!(r.series.windows(2).all(|w| w[0].time_s < w[1].time_s));
+        assert_eq!(r.wall_seconds, 0.0);
+        assert_eq!(r.strategy, *strategy);
+    }
+}
+
+#[test]
+fn stop_at_target_ends_the_run_early() {
+    let mut s = default_scenario();
+    s.max_steps = 80;
+    s.clusters.as_mut().unwrap().stop_at_target = true;
+    let task = digits_task(ModelKind::Mlp);
+    let r = run(&s, &task, "localsgd");
+    let t = r.time_to_target_s.expect("reached");
+    assert!(
+        r.virtual_seconds <= t + s.eval_every_s,
+        "{} {t}",
+        r.virtual_seconds
+    );
+    assert!(r.mean_step_s > 0.0);
+}
+
+#[test]
+fn bad_input_errors_name_the_key() {
+    let task = digits_task(ModelKind::Mlp);
+    let err = |s: &Scenario, strategy: &str| {
+        simulate(s, &task, strategy, &mut |_| {})
+            .unwrap_err()
+            .to_string()
+    };
+
+    let e = err(&default_scenario(), "allreduce");
+    assert!(
+        e.contains("allreduce") && e.contains("ssgd, wfbp, localsgd, dreamddp"),
+        "{e}"
+    );
+
+    let mut s = default_scenario();
+    s.clusters.as_mut().unwrap().groups[0].device = "tpu".into();
+    let e = err(&s, "ssgd");
+    assert!(
+        e.contains("clusters.groups[0].device") && e.contains("a100"),
+        "{e}"
+    );
+
+    let mut s = default_scenario();
+    s.clusters.as_mut().unwrap().inter_link = "nope".into();
+    let e = err(&s, "ssgd");
+    assert!(
+        e.contains("clusters.inter_link") && e.contains("wan"),
+        "{e}"
+    );
+
+    let mut s = default_scenario();
+    s.clusters.as_mut().unwrap().groups[0].workers = 0;
+    assert!(err(&s, "ssgd").contains("clusters.groups[0].workers"));
+
+    let mut s = default_scenario();
+    s.clusters.as_mut().unwrap().groups[0].jitter = -1.0;
+    assert!(err(&s, "ssgd").contains("clusters.groups[0].jitter"));
+
+    let mut s = default_scenario();
+    s.clusters.as_mut().unwrap().groups[0].count = 1;
+    assert!(err(&s, "ssgd").contains("at least 2 clusters"));
+
+    let mut s = default_scenario();
+    s.optimizer = Some("lamb".into());
+    assert!(err(&s, "ssgd").contains("optimizer"));
+
+    let mut s = default_scenario();
+    s.period = 9;
+    assert!(err(&s, "dreamddp").contains("period 9"));
+
+    // Unknown keys are refused by the parser with the key's name.
+    let text = r#"
+name = "x"
+kind = "clusters"
+target = 0.5
+strategies = ["ssgd"]
+[links.wan]
+bandwidth = "1gbit"
+[clusters]
+inter_link = "wan"
+groups = [{ name = "dc", count = 2, workers = 1, device = "a100", gpus = 3 }]
+"#;
+    let e = Scenario::parse(text, "x", Path::new("."))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("gpus"), "{e}");
+}
+
+#[test]
+fn shipped_cluster_scenarios_parse_and_validate() {
+    for name in ["two-datacenters", "mixed-cpu-gpu"] {
+        let (s, _) = Scenario::load(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let spec = s.clusters.as_ref().expect("clusters table");
+        let clusters = spec.clusters(&s).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(clusters.len() >= 2);
+        for strategy in &s.strategies {
+            parse_strategy(strategy).unwrap();
+        }
+    }
+}
+
+/// Runs the shipped `two-datacenters` scenario (all four strategies) and prints time to
+/// target and the ratios against dreamddp. Slow: run it in release,
+/// `cargo test -p simulations --release --lib measure_two_datacenters -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn measure_two_datacenters() {
+    measure("two-datacenters", None);
+}
+
+/// [`measure_two_datacenters`] with the GPUs modelled by the built-in `a100` class instead
+/// of the scenario's paper-ratio class (a purely communication-bound run).
+#[test]
+#[ignore]
+fn measure_two_datacenters_builtin_a100() {
+    measure("two-datacenters", Some("a100"));
+}
+
+/// Like [`measure_two_datacenters`], for `mixed-cpu-gpu`.
+#[test]
+#[ignore]
+fn measure_mixed_cpu_gpu() {
+    measure("mixed-cpu-gpu", None);
+}
+
+fn measure(name: &str, device: Option<&str>) {
+    let (mut s, _) = Scenario::load(name).expect("built-in scenario");
+    if let Some(device) = device {
+        for g in &mut s.clusters.as_mut().expect("clusters").groups {
+            g.device = device.to_string();
+        }
+    }
+    let dataset = match s.dataset.as_str() {
+        "auto" if engine::data::locate::shared_mnist_dir().is_some() => "mnist",
+        "auto" => "digits",
+        other => other,
+    };
+    let dir = engine::data::locate::shared_datasets_dir();
+    let data = load_data(dataset, dir.as_deref()).expect("data");
+    let task = Task::new(s.model.parse().expect("model"), dataset, data).expect("task");
+    println!(
+        "scenario {name}: model {} on {dataset}, target {}",
+        s.model, s.target
+    );
+    let mut results = Vec::new();
+    for strategy in &s.strategies {
+        let wall = std::time::Instant::now();
+        let r = simulate(&s, &task, strategy, &mut |_| {}).expect("runs");
+        println!(
+            "{strategy:>9}: time_to_target {:?} s, final acc {:?} loss {:.4}, virtual {:.3} s, \
+             mean step {:.2} ms, inter bytes {}, wall {:.1} s",
+            r.time_to_target_s,
+            r.final_accuracy,
+            r.final_loss,
+            r.virtual_seconds,
+            r.mean_step_s * 1e3,
+            r.bytes_by_link_class["inter-cluster"],
+            wall.elapsed().as_secs_f64()
+        );
+        if std::env::var_os("CLUSTERS_SERIES").is_some() {
+            for e in r.timeline.iter().take(12) {
+                println!("    sync {} {:.4} -> {:.4}", e.layer, e.start_s, e.end_s);
+            }
+            for p in &r.series {
+                println!(
+                    "    t {:.3} acc {:?} steps {}",
+                    p.time_s, p.accuracy, p.mean_steps
+                );
+            }
+        }
+        results.push(r);
+    }
+    let dream = results.iter().find(|r| r.strategy == "dreamddp");
+    if let Some(d) = dream.and_then(|d| d.time_to_target_s) {
+        for r in &results {
+            if let Some(t) = r.time_to_target_s {
+                println!("{}/dreamddp time-to-target ratio: {:.2}", r.strategy, t / d);
+            }
+        }
+    }
+}
+
+/// Prints the dreamddp plan of the shipped `two-datacenters` scenario.
+#[test]
+#[ignore]
+fn print_two_datacenters_plan() {
+    let (s, _) = Scenario::load("two-datacenters").expect("built-in scenario");
+    let dir = engine::data::locate::shared_datasets_dir();
+    let data = load_data("mnist", dir.as_deref()).expect("data");
+    let task = Task::new(ModelKind::Cnn, "mnist", data).expect("task");
+    let spec = s.clusters.as_ref().expect("clusters");
+    let sim = sim::Simulation::new(
+        &s,
+        spec,
+        spec.clusters(&s).unwrap(),
+        &task,
+        Strategy::DreamDdp,
+    )
+    .expect("builds");
+    println!("{}", sim.plan_description());
+}
