@@ -56,10 +56,12 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         }
         return Ok(());
     }
+    let mut recorded_bytes = Vec::new();
     let (recorded, (mut scenario, text)) = match &args.replay {
         Some(path) => {
             let bytes =
                 std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+            recorded_bytes.clone_from(&bytes);
             let rec: SimSummary = serde_json::from_slice(&bytes).with_context(|| {
                 format!("{} is not a dreamddp simulate summary.json", path.display())
             })?;
@@ -143,10 +145,9 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         .unwrap_or_else(|| PathBuf::from("sim-out").join(&scenario.name));
     write_outputs(&out, &summary)?;
     if let Some(rec) = recorded {
-        // wall_seconds is not part of summary.json: compare what the file holds.
-        let mut ours = summary.clone();
-        ours.strategies.iter_mut().for_each(|r| r.wall_seconds = 0.0);
-        if rec == ours {
+        // Compare what summary.json holds, byte for byte (wall times are not in it).
+        let ours_bytes = serde_json::to_string_pretty(&summary)?.into_bytes();
+        if ours_bytes == recorded_bytes {
             println!(
                 "replay: reproduced the recorded summary exactly ({} strategies)",
                 summary.strategies.len()
@@ -155,8 +156,8 @@ pub fn run(args: SimulateArgs) -> Result<()> {
             let first = rec
                 .strategies
                 .iter()
-                .zip(&ours.strategies)
-                .find(|(a, b)| a != b)
+                .zip(&summary.strategies)
+                .find(|(a, b)| serde_json::to_string(a).ok() != serde_json::to_string(b).ok())
                 .map(|(a, _)| a.strategy.clone())
                 .unwrap_or_else(|| "scenario header".into());
             bail!("replay did NOT reproduce the recorded summary (first difference in: {first}); see {}", out.display());
