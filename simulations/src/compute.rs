@@ -4,8 +4,9 @@
 //! not the datasheet peak) and a fixed per-layer launch overhead. A layer's forward time is
 //! `2 · MACs · batch / flops + overhead`, its backward twice the forward (input and weight
 //! gradients). Stragglers multiply every time by `slowdown` and add uniform jitter of up to
-//! `jitter` (a fraction) per step. Times can also be given per layer in the scenario, or taken
-//! from the built-in backend measured on this machine (`measured`).
+//! `jitter` (a fraction) per step. Scenarios define their own classes (`flops`,
+//! `layer_overhead_s`). Not built yet: per-layer times given explicitly in a scenario, and a
+//! class measured from the built-in backend on this machine.
 
 use serde::{Deserialize, Serialize};
 
