@@ -18,7 +18,8 @@
 //! 3. staleness `τ = version − base_version`: a base in the future gets
 //!    `Resync { UnknownBaseVersion }`, `τ > τ_max` gets `Resync { TooStale }` (plus, by
 //!    default, the current [`LayerVersion`] so the node can rebase at once), both reported
-//!    as [`AggEvent::DroppedStale`];
+//!    as [`AggEvent::DroppedStale`]. The resync names the refused delta's seq
+//!    (`refused_seq`), so the node drops that delta and no other;
 //! 4. the payload decodes and is finite (else `BadRequest`), and the delta joins the
 //!    layer's open round. The round is applied by the [`AggregatorConfig`] round policy.
 //!
@@ -459,6 +460,7 @@ impl AggregatorState {
             msg: Message::Resync(Resync {
                 layer_id,
                 current_version: layer.version,
+                refused_seq: Some(seq),
                 reason,
             }),
         });
@@ -634,7 +636,8 @@ impl AggregatorState {
     /// Rebuilds an aggregator from [`Self::snapshot`] bytes (validated: magic, format
     /// version, checksum, structure). Because versions may have been rewound relative to
     /// what nodes saw, the restored aggregator queues, per layer, a broadcast
-    /// `Resync { AggregatorRestarted }` followed by the layer's current [`LayerVersion`].
+    /// `Resync { AggregatorRestarted }` (about no specific delta: `refused_seq: None`)
+    /// followed by the layer's current [`LayerVersion`].
     pub fn restore(bytes: &[u8], config: AggregatorConfig) -> Result<Self, SnapshotError> {
         let data = snapshot::decode(bytes)?;
         let mut state = AggregatorState::new(data.aggregator_id, Vec::new(), config)
@@ -654,6 +657,7 @@ impl AggregatorState {
                 msg: Message::Resync(Resync {
                     layer_id: layer.layer_id,
                     current_version: layer.version,
+                    refused_seq: None,
                     reason: ResyncReason::AggregatorRestarted,
                 }),
             });

@@ -194,7 +194,7 @@ fn stale_and_future_bases_get_a_resync_and_the_current_version() {
         max_staleness: 1,
     };
     assert!(
-        matches!(&outs[0], Output::Send { to: 2, msg: Message::Resync(r) } if r.reason == reason && r.current_version == 3)
+        matches!(&outs[0], Output::Send { to: 2, msg: Message::Resync(r) } if r.reason == reason && r.current_version == 3 && r.refused_seq == Some(1))
     );
     assert!(
         matches!(&outs[1], Output::Send { to: 2, msg: Message::LayerVersion(v) } if v.version == 3)
@@ -215,7 +215,7 @@ fn stale_and_future_bases_get_a_resync_and_the_current_version() {
     a.handle_message(1, 2, delta(2, 0, 3, 9, 1, &[5.0; 4]));
     let outs = drain(&mut a);
     assert!(
-        matches!(&outs[0], Output::Send { msg: Message::Resync(r), .. } if r.reason == ResyncReason::UnknownBaseVersion)
+        matches!(&outs[0], Output::Send { msg: Message::Resync(r), .. } if r.reason == ResyncReason::UnknownBaseVersion && r.refused_seq == Some(3))
     );
     assert_eq!(a.counters().dropped_stale, 2);
 }
@@ -361,7 +361,7 @@ fn snapshot_round_trip_restores_values_versions_and_dedup() {
     }
     let outs = drain(&mut b);
     assert!(
-        matches!(&outs[0], Output::Broadcast { msg: Message::Resync(r) } if r.reason == ResyncReason::AggregatorRestarted && r.current_version == 1)
+        matches!(&outs[0], Output::Broadcast { msg: Message::Resync(r) } if r.reason == ResyncReason::AggregatorRestarted && r.current_version == 1 && r.refused_seq.is_none())
     );
     assert!(matches!(
         &outs[1],

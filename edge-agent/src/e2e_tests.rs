@@ -446,6 +446,43 @@ fn a_too_stale_delta_gets_resync_and_the_node_rebases_on_the_current_version() {
 }
 
 #[test]
+fn a_late_resync_for_an_older_seq_keeps_the_in_flight_delta() {
+    let mut w = World::new(1, async_config());
+    w.train(0, 1, &[1.0; LEN], 4); // seq 1 goes out
+                                   // A resync refusing an older copy (seq 0) arrives while seq 1 is in flight.
+    let now = w.now;
+    w.nodes[0].client.handle_message(
+        now,
+        Message::Resync(protocol::Resync {
+            layer_id: 0,
+            current_version: 0,
+            refused_seq: Some(0),
+            reason: ResyncReason::TooStale {
+                staleness: 3,
+                max_staleness: 1,
+            },
+        }),
+    );
+    w.run_until(w.now + 5 * LATENCY);
+    let n0 = &w.nodes[0];
+    assert!(!n0
+        .events
+        .iter()
+        .any(|e| matches!(e, ClientEvent::Dropped { .. })));
+    assert!(n0.events.iter().any(|e| matches!(
+        e,
+        ClientEvent::Delivered {
+            seq: 1,
+            applied: true,
+            ..
+        }
+    )));
+    assert_eq!(n0.client.counters().dropped_by_aggregator, 0);
+    assert_eq!(w.global(), add(&w.theta0, &[1.0; LEN]));
+    assert_eq!(n0.theta, w.global());
+}
+
+#[test]
 fn bad_input_gets_typed_errors_while_others_are_served() {
     let mut w = World::new(2, async_config());
     let meta = |layer_id| LayerMeta {

@@ -648,13 +648,22 @@ impl SyncClient {
         self.flush_layer(now, li);
     }
 
+    /// A resync always marks the layer for a rebase on a version `≥ current_version`. It
+    /// drops the in-flight delta only when it names that delta's seq: a resync refusing an
+    /// older (retransmitted) copy, or one about no delta at all (`refused_seq: None`, e.g.
+    /// an aggregator restart), leaves the in-flight delta waiting for its own answer —
+    /// dropping it would lose progress the aggregator never saw.
     fn handle_resync(&mut self, now: u64, r: Resync) {
         let Some(&li) = self.index.get(&r.layer_id) else {
             return self.ignore(format!("resync for unknown layer {}", r.layer_id));
         };
         let l = &mut self.layers[li];
-        let drops_delta = !matches!(r.reason, ResyncReason::AggregatorRestarted);
-        if drops_delta {
+        let refuses_in_flight = r.refused_seq.is_some_and(|refused| {
+            l.in_flight
+                .as_ref()
+                .is_some_and(|f| f.payload.seq == refused)
+        });
+        if refuses_in_flight {
             if let Some(f) = l.in_flight.take() {
                 let seq = f.payload.seq;
                 if f.from_cache {
@@ -680,7 +689,7 @@ impl SyncClient {
                 current_version: r.current_version,
                 reason: r.reason,
             }));
-        if drops_delta {
+        if refuses_in_flight {
             self.flush_layer(now, li);
         }
     }

@@ -358,6 +358,11 @@ pub struct Resync {
     pub layer_id: u32,
     /// The layer's current global version.
     pub current_version: u64,
+    /// Seq of the delta this resync refuses (the delta was dropped, not applied); `None` when
+    /// the resync is not about a specific delta (e.g. [`ResyncReason::AggregatorRestarted`]).
+    /// A node drops its in-flight delta only when this matches its seq: a late resync for an
+    /// older retransmitted copy must not drop a newer delta the aggregator never saw.
+    pub refused_seq: Option<u64>,
     /// Why.
     pub reason: ResyncReason,
 }

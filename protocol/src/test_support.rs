@@ -173,13 +173,20 @@ pub fn arb_message() -> impl Strategy<Value = Message> {
                     new_version,
                 })
             }),
-        (any::<u32>(), any::<u64>(), arb_resync_reason()).prop_map(
-            |(layer_id, current_version, reason)| Message::Resync(Resync {
-                layer_id,
-                current_version,
-                reason,
-            })
-        ),
+        (
+            any::<u32>(),
+            any::<u64>(),
+            any::<Option<u64>>(),
+            arb_resync_reason()
+        )
+            .prop_map(|(layer_id, current_version, refused_seq, reason)| {
+                Message::Resync(Resync {
+                    layer_id,
+                    current_version,
+                    refused_seq,
+                    reason,
+                })
+            }),
         (arb_error_code(), arb_text())
             .prop_map(|(code, text)| Message::Error(ErrorReply { code, text })),
     ]
@@ -260,6 +267,7 @@ pub fn sample_messages() -> Vec<Message> {
         Message::Resync(Resync {
             layer_id: 3,
             current_version: 20,
+            refused_seq: Some(98),
             reason: ResyncReason::TooStale {
                 staleness: 13,
                 max_staleness: 8,

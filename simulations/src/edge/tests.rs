@@ -237,14 +237,12 @@ fn spec_errors_name_the_key() {
     assert!(e.contains("unknown field `deadline`"), "{e}");
 }
 
-/// Known bug outside the simulator, found by the invariant check: a `Resync` names no seq, so
-/// when a retransmitted copy of an already-dropped delta is dropped again, the client drops
-/// whatever delta of that layer is in flight *now* (`edge_agent::SyncClient::handle_resync`),
-/// although the aggregator never saw it applied or dropped: that delta is lost. Triggered here
-/// by a tiny `tau_max` (many drops) and short deadlines (many retransmissions). Fix: carry the
-/// dropped delta's seq in `protocol::Resync` and drop the in-flight delta only when it matches.
+/// Regression, found by the invariant check: a `Resync` used to name no seq, so when a
+/// retransmitted copy of an already-dropped delta was dropped again, the client dropped
+/// whatever delta of that layer was in flight *now*, although the aggregator never saw it:
+/// that delta was lost. Triggered by a tiny `tau_max` (many drops) and short deadlines (many
+/// retransmissions). `protocol::Resync::refused_seq` now names the refused delta.
 #[test]
-#[ignore = "edge-agent/protocol bug: Resync carries no seq, a late Resync drops the wrong delta"]
 fn a_late_resync_must_not_drop_a_newer_delta() {
     let mut s = tiny(HOSTILE, "");
     s.seed = 2;
