@@ -40,6 +40,11 @@ pub struct SimulateArgs {
     /// List the built-in scenarios and exit.
     #[arg(long)]
     pub list: bool,
+    /// Measure the scenario's model on this machine's built-in CPU backend (1 thread) and print
+    /// a device class NAME (`[clusters.devices.NAME]`) to paste into a scenario, instead of
+    /// simulating. Keeps runs replayable: the measured numbers live in the scenario text.
+    #[arg(long, value_name = "NAME")]
+    pub measure_device: Option<String>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -87,6 +92,9 @@ pub fn run(args: SimulateArgs) -> Result<()> {
             .collect();
     }
     let task = build_task(&scenario, args.data_dir.as_deref())?;
+    if let Some(name) = &args.measure_device {
+        return measure_device(&scenario, &task, name);
+    }
     let target = match task.model {
         ModelKind::GptTiny => format!("val loss <= {}", scenario.target),
         _ => format!("accuracy >= {}", scenario.target),
@@ -163,6 +171,40 @@ pub fn run(args: SimulateArgs) -> Result<()> {
             bail!("replay did NOT reproduce the recorded summary (first difference in: {first}); see {}", out.display());
         }
     }
+    Ok(())
+}
+
+fn measure_device(scenario: &Scenario, task: &Task, name: &str) -> Result<()> {
+    engine::backend::set_threads(1);
+    let prof = gpu_worker::profile::profile_step(task, scenario.batch, 1, 10, scenario.seed);
+    let model = task.build_model(scenario.seed);
+    let macs: u64 = model
+        .layers
+        .iter()
+        .map(|l| l.layer.forward_macs_per_sample())
+        .sum();
+    // gpt-tiny counts MACs per token: a sample is `context` tokens.
+    let per_sample = match (&task.model, &task.gpt) {
+        (ModelKind::GptTiny, Some(g)) => g.context as f64,
+        _ => 1.0,
+    };
+    let step_s = prof.forward_s + prof.backward_s;
+    if step_s <= 0.0 || macs == 0 {
+        bail!(
+            "could not time a step of {} on this machine",
+            task.model.name()
+        );
+    }
+    // The compute model charges 2·MACs (forward) + 4·MACs (backward) per sample.
+    let flops = 6.0 * macs as f64 * per_sample * scenario.batch as f64 / step_s;
+    println!(
+        "# measured on this machine (built-in backend, 1 thread): {} at batch {}, forward {:.3} ms, backward {:.3} ms",
+        task.model.name(),
+        scenario.batch,
+        prof.forward_s * 1e3,
+        prof.backward_s * 1e3
+    );
+    println!("[clusters.devices.{name}]\nflops = {flops:.4e}\nlayer_overhead_s = 0.0");
     Ok(())
 }
 

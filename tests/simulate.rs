@@ -190,3 +190,68 @@ fn scenario_errors_name_the_key() {
         text(&o)
     );
 }
+
+const SMALL_CLUSTERS: &str = r#"
+name = "small-clusters"
+seed = 5
+kind = "clusters"
+model = "mlp"
+dataset = "digits"
+batch = 16
+max_steps = 120
+max_virtual_s = 600
+eval_every_s = 0.5
+eval_limit = 360
+target = 0.85
+period = 4
+strategies = ["ssgd", "dreamddp"]
+
+[links.wan]
+bandwidth = "100mbit"
+latency_ms = 10
+
+[clusters]
+inter_link = "wan"
+groups = [{ name = "dc", count = 2, workers = 2, device = "this-machine" }]
+"#;
+
+#[test]
+fn a_device_class_measured_here_drives_a_clusters_scenario() {
+    let dir = scratch("measure");
+    let base = dir.join("base.toml");
+    std::fs::write(
+        &base,
+        SMALL_CLUSTERS.replace("\"this-machine\"", "\"a100\""),
+    )
+    .expect("write");
+    let o = dreamddp(&[
+        "simulate",
+        base.to_str().expect("utf-8"),
+        "--measure-device",
+        "this-machine",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let snippet = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        snippet.contains("[clusters.devices.this-machine]") && snippet.contains("flops = "),
+        "{snippet}"
+    );
+    let measured = dir.join("measured.toml");
+    std::fs::write(&measured, format!("{SMALL_CLUSTERS}\n{snippet}")).expect("write");
+    let o = dreamddp(&[
+        "simulate",
+        "--quiet",
+        measured.to_str().expect("utf-8"),
+        "--out",
+        dir.join("out").to_str().expect("utf-8"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("out/summary.json")).expect("summary"))
+            .expect("json");
+    let runs = v["strategies"].as_array().expect("strategies");
+    assert_eq!(runs.len(), 2);
+    for r in runs {
+        assert!(r["final_accuracy"].as_f64().unwrap_or(0.0) > 0.8, "{r}");
+    }
+}

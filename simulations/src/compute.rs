@@ -5,8 +5,10 @@
 //! `2 · MACs · batch / flops + overhead`, its backward twice the forward (input and weight
 //! gradients). Stragglers multiply every time by `slowdown` and add uniform jitter of up to
 //! `jitter` (a fraction) per step. Scenarios define their own classes (`flops`,
-//! `layer_overhead_s`). Not built yet: per-layer times given explicitly in a scenario, and a
-//! class measured from the built-in backend on this machine.
+//! `layer_overhead_s`); `dreamddp simulate SCENARIO --measure-device NAME` measures the
+//! scenario's model on this machine's built-in backend and prints such a class, so runs stay
+//! replayable (the numbers live in the scenario text). Not built yet: per-layer times given
+//! explicitly in a scenario.
 
 use serde::{Deserialize, Serialize};
 
