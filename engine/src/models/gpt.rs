@@ -203,114 +203,27 @@ pub fn gpt_tiny(cfg: &GptConfig, seed: u64) -> Model {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::corpus::{CharCorpus, Split};
     use crate::gradcheck::{check_layer, pseudo_random};
+    use crate::loss::softmax_cross_entropy;
+    use crate::optim::{LayerOptimizer, OptimizerConfig};
 
-    /// Mean softmax cross-entropy over rows and its gradient w.r.t. the logits.
-    fn cross_entropy(logits: &Tensor, targets: &[usize]) -> (f32, Tensor) {
-        let classes = logits.last_dim();
-        let rows = logits.rows();
-        let mut grad = Tensor::zeros(&logits.shape);
-        let mut loss = 0.0f64;
-        for (r, (row, g)) in logits
-            .data
-            .chunks_exact(classes)
-            .zip(grad.data.chunks_exact_mut(classes))
-            .enumerate()
-        {
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
-            let log_sum = sum.ln() + max;
-            loss += (log_sum - row[targets[r]]) as f64;
-            for (gi, &v) in g.iter_mut().zip(row) {
-                *gi = (v - log_sum).exp() / rows as f32;
-            }
-            g[targets[r]] -= 1.0 / rows as f32;
-        }
-        ((loss / rows as f64) as f32, grad)
-    }
-
-    /// Plain Adam over every parameter of a model (state keyed by layer and param index).
-    struct Adam {
-        lr: f32,
-        step: i32,
-        moments: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
-    }
-
-    impl Adam {
-        fn new(model: &Model, lr: f32) -> Self {
-            let moments = model
-                .layers
-                .iter()
-                .map(|l| {
-                    l.layer
-                        .params()
-                        .iter()
-                        .map(|p| (vec![0.0; p.len()], vec![0.0; p.len()]))
-                        .collect()
-                })
-                .collect();
-            Self {
-                lr,
-                step: 0,
-                moments,
-            }
-        }
-
-        fn update(&mut self, model: &mut Model) {
-            let (b1, b2, eps) = (0.9f32, 0.99f32, 1e-8f32);
-            self.step += 1;
-            let c1 = 1.0 - b1.powi(self.step);
-            let c2 = 1.0 - b2.powi(self.step);
-            for (l, state) in model.layers.iter_mut().zip(&mut self.moments) {
-                for (p, (m, v)) in l.layer.params_mut().iter_mut().zip(state.iter_mut()) {
-                    for i in 0..p.value.len() {
-                        let g = p.grad[i];
-                        m[i] = b1 * m[i] + (1.0 - b1) * g;
-                        v[i] = b2 * v[i] + (1.0 - b2) * g * g;
-                        p.value[i] -= self.lr * (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
-                    }
-                }
-            }
-        }
-    }
-
-    /// One forward/backward/update on `[batch, seq]` windows; returns the batch loss.
-    fn train_step(model: &mut Model, adam: &mut Adam, ids: &Tensor, targets: &[usize]) -> f32 {
+    /// One forward/backward/AdamW (no weight decay) update; returns the batch loss.
+    fn train_step(
+        model: &mut Model,
+        opts: &mut [Option<LayerOptimizer>],
+        ids: &Tensor,
+        targets: &[usize],
+    ) -> f32 {
         let logits = model.forward(ids, true);
-        let (loss, grad) = cross_entropy(&logits, targets);
+        let (loss, grad) = softmax_cross_entropy(&logits, targets);
         model.backward_with_hook(&grad, &mut |_, _| {});
-        adam.update(model);
-        loss
-    }
-
-    /// Random windows of `seq + 1` tokens from `tokens`: inputs `[batch, seq]` and next-token
-    /// targets.
-    fn sample_batch(
-        tokens: &[usize],
-        batch: usize,
-        seq: usize,
-        rng: &mut ChaCha8Rng,
-    ) -> (Tensor, Vec<usize>) {
-        let mut ids = Vec::with_capacity(batch * seq);
-        let mut targets = Vec::with_capacity(batch * seq);
-        for _ in 0..batch {
-            let start = rng.random_range(0..tokens.len() - seq);
-            ids.extend(tokens[start..start + seq].iter().map(|&t| t as f32));
-            targets.extend_from_slice(&tokens[start + 1..start + seq + 1]);
+        for (l, opt) in model.layers.iter_mut().zip(opts.iter_mut()) {
+            if let Some(opt) = opt {
+                opt.step(l.layer.params_mut(), 1e-2);
+            }
         }
-        (Tensor::from_vec(&[batch, seq], ids), targets)
-    }
-
-    /// Distinct characters (sorted) and the text as ids.
-    fn tokenize(text: &str) -> (Vec<char>, Vec<usize>) {
-        let mut vocab: Vec<char> = text.chars().collect();
-        vocab.sort_unstable();
-        vocab.dedup();
-        let ids = text
-            .chars()
-            .map(|c| vocab.binary_search(&c).expect("char in vocab"))
-            .collect();
-        (vocab, ids)
+        loss
     }
 
     #[test]
@@ -378,22 +291,35 @@ mod tests {
     #[test]
     fn gpt_memorizes_a_repeated_text() {
         let text = "the cat sat on the mat. ".repeat(40);
-        let (vocab, tokens) = tokenize(&text);
+        let corpus = CharCorpus::from_text(&text, 0.1).expect("corpus");
         let cfg = GptConfig {
-            vocab: vocab.len(),
+            vocab: corpus.vocab.len(),
             context: 16,
             dim: 32,
             heads: 2,
             layers: 1,
         };
         let mut model = gpt_tiny(&cfg, 7);
-        let mut adam = Adam::new(&model, 1e-2);
+        let adamw = OptimizerConfig::AdamW {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let mut opts: Vec<Option<LayerOptimizer>> = model
+            .layers
+            .iter()
+            .map(|l| {
+                (!l.layer.params().is_empty())
+                    .then(|| LayerOptimizer::new(&adamw, l.layer.params()))
+            })
+            .collect();
         let mut rng = ChaCha8Rng::seed_from_u64(8);
         let mut first = 0.0;
         let mut last = Vec::new();
         for step in 0..150 {
-            let (ids, targets) = sample_batch(&tokens, 8, 16, &mut rng);
-            let loss = train_step(&mut model, &mut adam, &ids, &targets);
+            let (ids, targets) = corpus.sample_batch(&mut rng, 8, 16, Split::Train);
+            let loss = train_step(&mut model, &mut opts, &ids, &targets);
             assert!(loss.is_finite());
             if step == 0 {
                 first = loss;
@@ -402,7 +328,7 @@ mod tests {
                 last.push(loss);
             }
         }
-        let uniform = (vocab.len() as f32).ln();
+        let uniform = (corpus.vocab.len() as f32).ln();
         assert!(
             (first - uniform).abs() < 0.2,
             "initial loss {first} vs ln(vocab) {uniform}"
@@ -412,68 +338,6 @@ mod tests {
         assert!(
             late < 0.25 * uniform,
             "loss {late} did not fall well below {uniform}"
-        );
-    }
-
-    /// Trains the default `gpt-tiny` on tinyshakespeare (90/10 split) with Adam and
-    /// prints train/val loss every 100 steps. Run with
-    /// `cargo test --release -p engine --lib models::gpt -- --ignored --nocapture`.
-    #[test]
-    #[ignore = "trains for minutes in release; needs /work/shared/data"]
-    fn gpt_tiny_reaches_target_on_tinyshakespeare() {
-        let path = std::env::var("TINYSHAKESPEARE")
-            .unwrap_or_else(|_| "/work/shared/data/datasets/tinyshakespeare/input.txt".into());
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            eprintln!("skipping: {path} not found");
-            return;
-        };
-        let steps: usize = std::env::var("GPT_STEPS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(1500);
-        let lr: f32 = std::env::var("GPT_LR")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(3e-3);
-        let (vocab, tokens) = tokenize(&text);
-        let split = tokens.len() * 9 / 10;
-        let (train, val) = tokens.split_at(split);
-        let cfg = GptConfig::tiny(vocab.len());
-        let (batch, seq) = (32, cfg.context);
-        let mut model = gpt_tiny(&cfg, 1);
-        println!(
-            "{cfg:?}: {} params, lr {lr}, batch {batch}x{seq}",
-            model.param_count()
-        );
-        let mut adam = Adam::new(&model, lr);
-        let mut rng = ChaCha8Rng::seed_from_u64(2);
-        let start = std::time::Instant::now();
-        let mut window = Vec::new();
-        let mut best_val = f32::INFINITY;
-        for step in 1..=steps {
-            let (ids, targets) = sample_batch(train, batch, seq, &mut rng);
-            window.push(train_step(&mut model, &mut adam, &ids, &targets));
-            if step % 100 == 0 || step == steps {
-                let train_loss = window.iter().sum::<f32>() / window.len() as f32;
-                window.clear();
-                let mut val_rng = ChaCha8Rng::seed_from_u64(3);
-                let val_loss = (0..10)
-                    .map(|_| {
-                        let (ids, targets) = sample_batch(val, batch, seq, &mut val_rng);
-                        cross_entropy(&model.forward(&ids, false), &targets).0
-                    })
-                    .sum::<f32>()
-                    / 10.0;
-                best_val = best_val.min(val_loss);
-                println!(
-                    "step {step:5}  train {train_loss:.3}  val {val_loss:.3}  {:.1} s",
-                    start.elapsed().as_secs_f32()
-                );
-            }
-        }
-        assert!(
-            best_val <= 2.0,
-            "validation loss {best_val} > 2.0 nats/char"
         );
     }
 }

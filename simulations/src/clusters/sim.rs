@@ -289,12 +289,6 @@ impl<'a> Simulation<'a> {
         })
     }
 
-    /// The sync plan as a table (see [`SyncPlan::describe`]).
-    #[cfg(test)]
-    pub(super) fn plan_description(&self) -> String {
-        self.plan.describe()
-    }
-
     /// Runs the strategy to `max_steps` or `max_virtual_s` (or the target, when asked).
     pub(super) fn run(
         mut self,
