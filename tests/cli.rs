@@ -1,31 +1,9 @@
 //! End-to-end tests of the `dreamddp` binary: real processes, real training on the digits
 //! data set embedded in the binary (no ../shared needed), and the errors users see.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
 
-fn dreamddp(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dreamddp"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("the dreamddp binary starts")
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("dreamddp-e2e-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{dreamddp, scratch, text};
 
 #[test]
 fn train_writes_a_summary_with_the_documented_fields() {

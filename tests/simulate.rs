@@ -2,8 +2,9 @@
 //! set with real gradients over a lossy link, determinism (byte-identical summary.json),
 //! `--replay`, and scenario errors that name the bad key.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
+
+use common::{dreamddp, scratch, text};
 
 const SMALL: &str = r#"
 name = "small"
@@ -50,29 +51,6 @@ latency_ms = 50
 loss = 0.05
 outages = [{ start_s = 3.0, duration_s = 4.0 }]
 "#;
-
-fn dreamddp(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dreamddp"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("the dreamddp binary starts")
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("dreamddp-sim-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 #[test]
 fn simulate_is_deterministic_and_replays() {
