@@ -24,6 +24,8 @@ pub struct Resolved {
     pub schedule: ScheduleKind,
     pub overrides: Vec<(String, u64)>,
     pub bubble_fill: bool,
+    /// The step profile measured for `--link auto`, reused by the DreamDDP schedule.
+    pub profile: Option<gpu_worker::profile::StepProfile>,
     pub link_spec: String,
 }
 
@@ -82,6 +84,7 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
     let batch = args.batch.unwrap_or(d.batch);
     let seed = args.seed.unwrap_or(0);
     let link_spec = args.link.clone().unwrap_or_else(|| "none".to_string());
+    let mut profile = None;
     let link = if link_spec == "auto" {
         let prof = profile_step(&task, batch, workers, 5, seed);
         let params: usize = prof.units.iter().map(|u| u.2).sum();
@@ -91,6 +94,7 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
              (a full-model all-reduce takes about one backward pass)",
             prof.backward_s * 1e3
         );
+        profile = Some(prof);
         link
     } else {
         link_spec.parse().map_err(|e| anyhow!("{e}"))?
@@ -116,6 +120,7 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         schedule,
         overrides,
         bubble_fill: args.bubble_fill,
+        profile,
         link_spec,
     })
 }
@@ -148,6 +153,7 @@ pub fn plan_for(r: &Resolved, strategy: Strategy) -> Result<SyncPlan> {
         workers: r.cfg.workers,
         batch: r.cfg.batch,
         seed: r.cfg.seed,
+        measured: r.profile.as_ref(),
     })
     .map_err(|e| anyhow!("{e}"))
 }

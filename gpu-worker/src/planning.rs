@@ -6,7 +6,7 @@ use engine::plan::{PlanConfig, PlanError, ScheduleKind, Strategy, SyncPlan};
 use engine::schedule::ModelProfile;
 
 use crate::link::LinkModel;
-use crate::profile::profile_step;
+use crate::profile::{profile_step, StepProfile};
 use crate::task::Task;
 
 /// What [`build_plan`] needs.
@@ -31,6 +31,9 @@ pub struct PlanInputs<'a> {
     pub batch: usize,
     /// Seed.
     pub seed: u64,
+    /// A profile already measured for this task and batch (e.g. by `--link auto`); when
+    /// `None` and the schedule needs one, the model is profiled here.
+    pub measured: Option<&'a StepProfile>,
 }
 
 /// Builds the plan; profiles the model first when the DreamDDP `profiled` schedule needs it.

@@ -51,6 +51,7 @@ fn run(task: &Task, cfg: &TrainConfig, period: u64, schedule: ScheduleKind) -> R
         workers: cfg.workers,
         batch: cfg.batch,
         seed: cfg.seed,
+        measured: None,
     })
     .expect("plan");
     train(task, cfg, plan, Box::new(|_, _| {})).expect("training succeeds")
@@ -186,6 +187,7 @@ fn bad_configs_are_errors_not_panics() {
         workers: 1,
         batch: 16,
         seed: 0,
+        measured: None,
     })
     .expect("plan");
     let Err(err) = train(&task, &cfg, plan, Box::new(|_, _| {})) else {
@@ -205,6 +207,7 @@ fn bad_configs_are_errors_not_panics() {
         workers: 2,
         batch: 16,
         seed: 0,
+        measured: None,
     }) else {
         panic!("period 8 with 4 sync units must be an error");
     };
