@@ -61,7 +61,7 @@ impl Linear {
         std: f32,
         rng: &mut impl Rng,
     ) -> Self {
-        let weight = normal(in_features * out_features, std, rng);
+        let weight = crate::layers::embedding::normal_values(in_features * out_features, std, rng);
         Self::from_values(in_features, out_features, weight, vec![0.0; out_features])
     }
 
@@ -129,22 +129,6 @@ fn uniform(len: usize, bound: f32, rng: &mut impl Rng) -> Vec<f32> {
         return vec![0.0; len];
     }
     (0..len).map(|_| rng.random_range(-bound..bound)).collect()
-}
-
-/// `len` values from N(0, std²) by the Box–Muller transform.
-fn normal(len: usize, std: f32, rng: &mut impl Rng) -> Vec<f32> {
-    let mut out = Vec::with_capacity(len + 1);
-    while out.len() < len {
-        // u1 in (0, 1] so the logarithm is finite.
-        let u1 = 1.0 - rng.random::<f64>();
-        let u2 = rng.random::<f64>();
-        let radius = (-2.0 * u1.ln()).sqrt();
-        let angle = std::f64::consts::TAU * u2;
-        out.push((radius * angle.cos()) as f32 * std);
-        out.push((radius * angle.sin()) as f32 * std);
-    }
-    out.truncate(len);
-    out
 }
 
 /// Writes the transpose of the row-major `[rows, cols]` matrix `src` into `dst` (`[cols, rows]`).
