@@ -326,17 +326,9 @@ impl AggregatorState {
             Message::Error(error) => self
                 .outputs
                 .push_back(Output::Event(AggEvent::PeerError { from, error })),
+            Message::Subscribe(_) => self.answer_subscribe(from),
             other => {
-                let kind = match other {
-                    Message::Join(_) => "Join",
-                    Message::JoinAck(_) => "JoinAck",
-                    Message::Heartbeat(_) => "Heartbeat",
-                    Message::Leave(_) => "Leave",
-                    Message::LayerVersion(_) => "LayerVersion",
-                    Message::DeltaAck(_) => "DeltaAck",
-                    Message::Resync(_) => "Resync",
-                    Message::LayerDelta(_) | Message::Error(_) => "unexpected",
-                };
+                let kind = other.kind();
                 self.reject(from, InputError::Unexpected { kind });
             }
         }
@@ -515,6 +507,76 @@ impl AggregatorState {
     ) -> Option<Result<Message, CodecError>> {
         let li = *self.index.get(&layer_id)?;
         Some(self.layer_version_message(li))
+    }
+
+    /// A node subscribed: queue the current version of every owned layer for it (how a
+    /// newcomer bootstraps from the global model). The shell adds `from` to its subscribers.
+    fn answer_subscribe(&mut self, from: NodeId) {
+        for li in 0..self.layers.len() {
+            match self.layer_version_message(li) {
+                Ok(msg) => self.outputs.push_back(Output::Send { to: from, msg }),
+                Err(e) => {
+                    let layer_id = self.layers[li].layer_id;
+                    self.outputs
+                        .push_back(Output::Event(AggEvent::InternalError {
+                            layer_id,
+                            reason: format!("encoding the current version failed: {e}"),
+                        }));
+                }
+            }
+        }
+    }
+
+    /// Takes ownership of `layer` at global `version` (after a rebalance: the coordinator
+    /// hands over the latest version it saw). If the layer is already owned, the newer of
+    /// the two versions wins, so a layer's version never goes backwards. Returns whether the
+    /// given values were adopted.
+    pub fn adopt_layer(
+        &mut self,
+        layer: OwnedLayer,
+        version: u64,
+    ) -> Result<bool, AggregatorError> {
+        if let Some(&li) = self.index.get(&layer.layer_id) {
+            let current = &mut self.layers[li];
+            if version <= current.version {
+                return Ok(false);
+            }
+            if current.shape != layer.shape || current.values.len() != layer.values.len() {
+                return Err(AggregatorError::ShapeMismatch {
+                    layer_id: layer.layer_id,
+                    shape: layer.shape,
+                    shape_len: current.values.len() as u64,
+                    len: layer.values.len(),
+                });
+            }
+            if let Some(index) = layer.values.iter().position(|v| !v.is_finite()) {
+                return Err(AggregatorError::NonFiniteValue {
+                    layer_id: layer.layer_id,
+                    index,
+                });
+            }
+            current.values = layer.values;
+            current.version = version;
+            current.pending.clear();
+            current.round_started_at = None;
+            return Ok(true);
+        }
+        self.add_layer(layer, version)?;
+        Ok(true)
+    }
+
+    /// Gives up ownership of a layer (the coordinator moved it elsewhere). Deltas waiting in
+    /// its open round are dropped unacknowledged, so their senders retransmit them to the new
+    /// owner. Returns whether the layer was owned.
+    pub fn release_layer(&mut self, layer_id: u32) -> bool {
+        let Some(li) = self.index.remove(&layer_id) else {
+            return false;
+        };
+        self.layers.remove(li);
+        for (i, layer) in self.layers.iter().enumerate() {
+            self.index.insert(layer.layer_id, i);
+        }
+        true
     }
 
     /// Applies the open round of layer index `li` (no-op when it is empty).

@@ -435,3 +435,54 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn subscribe_answers_current_version_of_every_owned_layer() {
+    let mut a = agg(AggregatorConfig::default());
+    a.handle_message(0, 7, delta(7, 0, 1, 0, 10, &[1.0; 4]));
+    drain(&mut a);
+    a.handle_message(1, 9, Message::Subscribe(protocol::Subscribe { node_id: 9 }));
+    let versions: Vec<(u64, u32, u64, Vec<f32>)> = drain(&mut a)
+        .into_iter()
+        .filter_map(|o| match o {
+            Output::Send {
+                to,
+                msg: Message::LayerVersion(v),
+            } => Some((to, v.layer_id, v.version, v.decode_values().unwrap())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        versions,
+        vec![(9, 0, 1, vec![2.0; 4]), (9, 1, 0, vec![0.0; 2])]
+    );
+}
+
+#[test]
+fn adopt_layer_keeps_the_newer_version_and_release_forgets_the_layer() {
+    let mut a = agg(AggregatorConfig::default());
+    // A new layer is adopted at the coordinator's version.
+    assert!(a.adopt_layer(layer(2, vec![3.0; 3]), 5).unwrap());
+    assert_eq!(a.layer(2).unwrap().version, 5);
+    // An older or equal version never replaces the current one.
+    a.handle_message(0, 7, delta(7, 2, 1, 5, 10, &[1.0; 3]));
+    drain(&mut a);
+    assert_eq!(a.layer(2).unwrap().version, 6);
+    assert!(!a.adopt_layer(layer(2, vec![0.0; 3]), 6).unwrap());
+    assert_eq!(a.layer(2).unwrap().values, &[4.0; 3]);
+    // A newer one does.
+    assert!(a.adopt_layer(layer(2, vec![9.0; 3]), 8).unwrap());
+    assert_eq!(a.layer(2).unwrap().values, &[9.0; 3]);
+    // A wrong shape is refused with a typed error.
+    assert!(a.adopt_layer(layer(2, vec![9.0; 4]), 9).is_err());
+    // Released layers are no longer owned; the others keep working.
+    assert!(a.release_layer(0));
+    assert!(!a.release_layer(0));
+    assert!(a.layer(0).is_none());
+    a.handle_message(1, 7, delta(7, 1, 2, 0, 10, &[1.0; 2]));
+    assert_eq!(a.layer(1).unwrap().version, 1);
+    a.handle_message(2, 7, delta(7, 0, 3, 0, 10, &[1.0; 4]));
+    assert!(drain(&mut a)
+        .iter()
+        .any(|o| matches!(o, Output::Event(AggEvent::BadInput { .. }))));
+}

@@ -591,6 +591,19 @@ impl SyncClient {
         }
     }
 
+    /// The coordinator moved `layer_id` to aggregator `owner` (a rebalance). Later sends and
+    /// retransmissions of the layer go to the new owner; a message in flight to the old one
+    /// is retried there at its next deadline. Returns whether the layer is known.
+    pub fn set_owner(&mut self, layer_id: u32, owner: NodeId) -> bool {
+        match self.li(layer_id) {
+            Ok(li) => {
+                self.layers[li].spec.owner = owner;
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
     /// Handles a message from an aggregator.
     pub fn handle_message(&mut self, now: u64, msg: Message) {
         match msg {

@@ -220,9 +220,10 @@ impl LayerPayload {
 }
 
 /// Role a node asks for when it joins.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Role {
     /// A data-center worker (GPU or CPU) training inside a node.
+    #[default]
     Worker,
     /// An edge device training locally and syncing under deadlines.
     Edge,
@@ -256,6 +257,9 @@ pub struct Join {
     pub credentials: String,
     /// What the node can do.
     pub capabilities: Capabilities,
+    /// Address (`host:port`) other nodes reach this node's QUIC endpoint at; empty for a
+    /// node that only dials out (workers, edge agents).
+    pub listen_addr: String,
 }
 
 /// The coordinator admits a node.
@@ -269,6 +273,73 @@ pub struct JoinAck {
     pub layer_owners: Vec<(u32, u64)>,
     /// Current global version of each layer, as `(layer_id, version)`.
     pub layer_versions: Vec<(u32, u64)>,
+    /// Epoch of the layer map in `layer_owners` (bumped at every rebalance).
+    pub map_epoch: u64,
+    /// Where each live aggregator listens.
+    pub aggregators: Vec<AggregatorAddr>,
+}
+
+/// Where an aggregator listens.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct AggregatorAddr {
+    /// Aggregator node id.
+    pub node_id: u64,
+    /// `host:port` of its QUIC endpoint.
+    pub addr: String,
+}
+
+/// The coordinator's layer → aggregator map, pushed to every member when it changes
+/// (an aggregator joined, left or lost its lease).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct LayerMap {
+    /// Strictly increasing map epoch; a node ignores a map older than the one it has.
+    pub epoch: u64,
+    /// Layer → owning aggregator node id, as `(layer_id, aggregator_node_id)`.
+    pub owners: Vec<(u32, u64)>,
+    /// Where each live aggregator listens.
+    pub aggregators: Vec<AggregatorAddr>,
+}
+
+/// A node asks an aggregator for the layers it owns: the aggregator adds it to its
+/// subscribers (it receives every new [`LayerVersion`]) and answers with the current
+/// version of each owned layer (how a newcomer bootstraps from the global model).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Subscribe {
+    /// Subscribing node.
+    pub node_id: u64,
+}
+
+/// Counters a node reports to the coordinator (for the status endpoint and the cluster
+/// summary). Totals since the process started, except where noted.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct NodeStats {
+    /// Reporting node.
+    pub node_id: u64,
+    /// Its role.
+    pub role: Role,
+    /// Local training steps done (0 for aggregators).
+    pub step: u64,
+    /// Payload bytes sent (deltas for trainers, versions for aggregators).
+    pub bytes_sent: u64,
+    /// Payload bytes received.
+    pub bytes_received: u64,
+    /// Layer deltas that missed their deadline and went to the weak-sync cache.
+    pub weak_sync_events: u64,
+    /// Weak-synced deltas still in the cache (not yet acknowledged).
+    pub cached_pending: u64,
+    /// Deltas folded into the global model (aggregators).
+    pub deltas_applied: u64,
+    /// Retransmitted deltas rejected as already applied (aggregators).
+    pub duplicates_rejected: u64,
+    /// Deltas refused as too stale (aggregators).
+    pub dropped_stale: u64,
+    /// Current version of each layer the node owns or holds, as `(layer_id, version)`.
+    pub layer_versions: Vec<(u32, u64)>,
+    /// Staleness histogram of applied deltas: entry `i` counts deltas with `τ = i`
+    /// (the last entry counts `τ ≥ len − 1`).
+    pub staleness_histogram: Vec<u64>,
+    /// Latest local evaluation accuracy in [0, 1], if the node evaluates.
+    pub accuracy: Option<f32>,
 }
 
 /// Liveness: renews a node's lease (sent by nodes, echoed by the coordinator).
@@ -414,6 +485,32 @@ pub enum Message {
     Resync(Resync),
     /// Any role: an error reply.
     Error(ErrorReply),
+    /// Coordinator → members: the layer map changed.
+    LayerMap(LayerMap),
+    /// Node → aggregator: subscribe to layer versions (answered with the current ones).
+    Subscribe(Subscribe),
+    /// Node → coordinator: counters for status and summaries.
+    Stats(NodeStats),
+}
+
+impl Message {
+    /// The variant's name, for logs and error messages.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Message::Join(_) => "Join",
+            Message::JoinAck(_) => "JoinAck",
+            Message::Heartbeat(_) => "Heartbeat",
+            Message::Leave(_) => "Leave",
+            Message::LayerDelta(_) => "LayerDelta",
+            Message::LayerVersion(_) => "LayerVersion",
+            Message::DeltaAck(_) => "DeltaAck",
+            Message::Resync(_) => "Resync",
+            Message::Error(_) => "Error",
+            Message::LayerMap(_) => "LayerMap",
+            Message::Subscribe(_) => "Subscribe",
+            Message::Stats(_) => "Stats",
+        }
+    }
 }
 
 #[cfg(test)]

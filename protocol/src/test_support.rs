@@ -4,8 +4,9 @@
 use proptest::prelude::*;
 
 use crate::message::{
-    Capabilities, Codec, DeltaAck, ErrorCode, ErrorReply, Heartbeat, Join, JoinAck, LayerPayload,
-    LayerVersion, Leave, Message, Resync, ResyncReason, Role,
+    AggregatorAddr, Capabilities, Codec, DeltaAck, ErrorCode, ErrorReply, Heartbeat, Join, JoinAck,
+    LayerMap, LayerPayload, LayerVersion, Leave, Message, NodeStats, Resync, ResyncReason, Role,
+    Subscribe,
 };
 
 /// Any codec.
@@ -83,14 +84,68 @@ fn arb_join() -> impl Strategy<Value = Join> {
                 codecs,
             },
         );
-    (any::<u64>(), role, arb_text(), capabilities).prop_map(
-        |(node_id, role, credentials, capabilities)| Join {
+    (any::<u64>(), role, arb_text(), capabilities, arb_text()).prop_map(
+        |(node_id, role, credentials, capabilities, listen_addr)| Join {
             node_id,
             role,
             credentials,
             capabilities,
+            listen_addr,
         },
     )
+}
+
+fn arb_aggregators() -> impl Strategy<Value = Vec<AggregatorAddr>> {
+    prop::collection::vec(
+        (any::<u64>(), arb_text()).prop_map(|(node_id, addr)| AggregatorAddr { node_id, addr }),
+        0..4,
+    )
+}
+
+fn arb_stats() -> impl Strategy<Value = NodeStats> {
+    let role = prop_oneof![Just(Role::Worker), Just(Role::Edge), Just(Role::Aggregator)];
+    (
+        (any::<u64>(), role, any::<u64>(), any::<u64>(), any::<u64>()),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+        ),
+        (
+            arb_pairs(),
+            prop::collection::vec(any::<u64>(), 0..6),
+            any::<Option<f32>>(),
+        ),
+    )
+        .prop_map(
+            |(
+                (node_id, role, step, bytes_sent, bytes_received),
+                (
+                    weak_sync_events,
+                    cached_pending,
+                    deltas_applied,
+                    duplicates_rejected,
+                    dropped_stale,
+                ),
+                (layer_versions, staleness_histogram, accuracy),
+            )| NodeStats {
+                node_id,
+                role,
+                step,
+                bytes_sent,
+                bytes_received,
+                weak_sync_events,
+                cached_pending,
+                deltas_applied,
+                duplicates_rejected,
+                dropped_stale,
+                layer_versions,
+                staleness_histogram,
+                accuracy,
+            },
+        )
 }
 
 fn arb_resync_reason() -> impl Strategy<Value = ResyncReason> {
@@ -122,14 +177,35 @@ fn arb_error_code() -> impl Strategy<Value = ErrorCode> {
 pub fn arb_message() -> impl Strategy<Value = Message> {
     prop_oneof![
         arb_join().prop_map(Message::Join),
-        (any::<u64>(), any::<u64>(), arb_pairs(), arb_pairs()).prop_map(
-            |(node_id, lease_ms, layer_owners, layer_versions)| Message::JoinAck(JoinAck {
-                node_id,
-                lease_ms,
-                layer_owners,
-                layer_versions,
+        (
+            any::<u64>(),
+            any::<u64>(),
+            arb_pairs(),
+            arb_pairs(),
+            any::<u64>(),
+            arb_aggregators()
+        )
+            .prop_map(
+                |(node_id, lease_ms, layer_owners, layer_versions, map_epoch, aggregators)| {
+                    Message::JoinAck(JoinAck {
+                        node_id,
+                        lease_ms,
+                        layer_owners,
+                        layer_versions,
+                        map_epoch,
+                        aggregators,
+                    })
+                }
+            ),
+        (any::<u64>(), arb_pairs(), arb_aggregators()).prop_map(|(epoch, owners, aggregators)| {
+            Message::LayerMap(LayerMap {
+                epoch,
+                owners,
+                aggregators,
             })
-        ),
+        }),
+        any::<u64>().prop_map(|node_id| Message::Subscribe(Subscribe { node_id })),
+        arb_stats().prop_map(Message::Stats),
         (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(node_id, lease_ms, now_ms)| {
             Message::Heartbeat(Heartbeat {
                 node_id,
@@ -206,12 +282,48 @@ pub fn sample_messages() -> Vec<Message> {
                 link_bytes_per_sec: 12_500_000,
                 codecs: vec![Codec::RawF32, Codec::ZstdTopK { k: 10 }, Codec::Bf16],
             },
+            listen_addr: String::new(),
         }),
         Message::JoinAck(JoinAck {
             node_id: 42,
             lease_ms: 5_000,
             layer_owners: vec![(0, 1), (1, 1), (2, 2)],
             layer_versions: vec![(0, 10), (1, 11), (2, 0)],
+            map_epoch: 3,
+            aggregators: vec![AggregatorAddr {
+                node_id: 1,
+                addr: "127.0.0.1:7001".into(),
+            }],
+        }),
+        Message::LayerMap(LayerMap {
+            epoch: 4,
+            owners: vec![(0, 1), (1, 2)],
+            aggregators: vec![
+                AggregatorAddr {
+                    node_id: 1,
+                    addr: "127.0.0.1:7001".into(),
+                },
+                AggregatorAddr {
+                    node_id: 2,
+                    addr: "[::1]:7002".into(),
+                },
+            ],
+        }),
+        Message::Subscribe(Subscribe { node_id: 42 }),
+        Message::Stats(NodeStats {
+            node_id: 42,
+            role: Role::Edge,
+            step: 300,
+            bytes_sent: 1 << 20,
+            bytes_received: 2 << 20,
+            weak_sync_events: 3,
+            cached_pending: 1,
+            deltas_applied: 0,
+            duplicates_rejected: 0,
+            dropped_stale: 0,
+            layer_versions: vec![(0, 10), (1, 12)],
+            staleness_histogram: vec![5, 2, 1],
+            accuracy: Some(0.91),
         }),
         Message::Heartbeat(Heartbeat {
             node_id: 42,
