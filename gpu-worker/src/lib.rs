@@ -4,8 +4,10 @@
 
 pub mod collective;
 pub mod link;
+pub mod node;
 pub mod planning;
 pub mod profile;
+pub mod replica;
 pub mod task;
 pub mod thread_collective;
 pub mod trainer;
