@@ -2,7 +2,9 @@
 //! synchronize through, a link shaper that emulates a slower interconnect, and the
 //! training loop that executes a sync strategy.
 
+pub mod cluster_model;
 pub mod collective;
+pub mod layout;
 pub mod link;
 pub mod node;
 pub mod planning;

@@ -92,13 +92,14 @@ pub struct NodeTrainReport {
 type Broadcast = Mutex<Vec<(usize, Vec<f32>)>>;
 
 /// Trains `task` on this node. `initial` (model layer index → values) overrides the seeded
-/// initial weights (the global model a node bootstraps from). Blocks until done.
+/// initial weights (the global model a node bootstraps from). Blocks until done; returns the
+/// report and the leader's final model.
 pub fn run_node_training(
     task: &Task,
     config: &NodeTrainConfig,
     initial: &[(usize, Vec<f32>)],
     hook: &mut dyn LeaderHook,
-) -> Result<NodeTrainReport, NodeTrainError> {
+) -> Result<(NodeTrainReport, Model), NodeTrainError> {
     if config.workers == 0 {
         return Err(NodeTrainError::Config("workers must be at least 1".into()));
     }
@@ -243,7 +244,7 @@ pub fn run_node_training(
             replica_divergence: divergence,
         })
     });
-    report
+    report.map(|r| (r, leader.model))
 }
 
 /// One synchronous-SGD step of one worker: forward/backward, gradient mean across the node's
@@ -336,7 +337,7 @@ mod tests {
             rewrite_at: 0,
             stop_at: u64::MAX,
         };
-        let report = run_node_training(&task, &config(2, 30), &[], &mut hook).unwrap();
+        let (report, _) = run_node_training(&task, &config(2, 30), &[], &mut hook).unwrap();
         assert_eq!(report.steps, 30);
         assert_eq!(hook.calls.len(), 30);
         assert!(hook.calls.iter().all(|&(_, s)| s == 32));
@@ -354,7 +355,7 @@ mod tests {
             rewrite_at: 3,
             stop_at: 5,
         };
-        let report = run_node_training(&task, &config(2, 50), &[], &mut hook).unwrap();
+        let (report, _) = run_node_training(&task, &config(2, 50), &[], &mut hook).unwrap();
         assert_eq!(report.steps, 5);
         assert_eq!(hook.calls.len(), 5);
         assert_eq!(report.replica_divergence, 0.0);
