@@ -35,6 +35,8 @@ pub enum Command {
     Edge(crate::node_cmds::ProcessArgs),
     /// Create a cluster CA and per-node certificates for mutual TLS.
     Certs(crate::node_cmds::CertsArgs),
+    /// Run a user-space lossy UDP relay (loss, bursts, latency, jitter, bandwidth, outages, traces).
+    Relay(crate::node_cmds::ProcessArgs),
 }
 
 /// Flags of `bench`.

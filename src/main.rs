@@ -29,6 +29,7 @@ fn main() {
         cli::Command::Worker(a) => node_cmds::trainer(a, protocol::Role::Worker),
         cli::Command::Edge(a) => node_cmds::trainer(a, protocol::Role::Edge),
         cli::Command::Certs(a) => node_cmds::certs(a),
+        cli::Command::Relay(a) => node_cmds::relay(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

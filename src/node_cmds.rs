@@ -89,3 +89,24 @@ pub fn certs(args: CertsArgs) -> Result<()> {
     }
     Ok(())
 }
+
+/// `dreamddp relay --config F`: a lossy UDP relay until SIGTERM / Ctrl-C; prints its
+/// per-direction counters at exit.
+pub fn relay(args: ProcessArgs) -> Result<()> {
+    let config = relay::load_relay_config(&args.config)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let stats = runtime.block_on(async {
+        let shutdown = shutdown_on_signal();
+        let handle = relay::spawn_relay(config).await?;
+        tracing::info!("[RELAY] listening on {}", handle.local_addr());
+        shutdown.cancelled().await;
+        let stats = handle.stats();
+        handle.shutdown().await;
+        anyhow::Ok(stats)
+    })?;
+    println!("{}", serde_json::to_string_pretty(&stats)?);
+    Ok(())
+}
