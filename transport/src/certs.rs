@@ -31,7 +31,7 @@ pub use crate::error::CertError;
 pub const CA_CERT_FILE: &str = "ca.pem";
 /// File name of the CA private key in a certificate directory.
 pub const CA_KEY_FILE: &str = "ca.key";
-/// Common name of the cluster CA.
+/// Common name of the cluster CA, followed by a fingerprint of its key.
 pub const CA_COMMON_NAME: &str = "dreamddp cluster CA";
 /// Longest node name accepted (a DNS label).
 pub const MAX_NODE_NAME_LEN: usize = 63;
@@ -96,11 +96,19 @@ pub fn create_cluster_certs(dir: &Path, node_names: &[String]) -> Result<Vec<Pat
     Ok(written)
 }
 
-/// Certificate parameters of the CA.
-fn ca_params() -> CertificateParams {
+/// Certificate parameters of the CA whose key is `key`. The CN carries a
+/// fingerprint of the key so two clusters' CAs never share a name (a peer
+/// from another cluster is then reported as an unknown issuer).
+fn ca_params(key: &KeyPair) -> CertificateParams {
     let mut params = CertificateParams::default();
+    let fingerprint: String = params
+        .key_identifier(key)
+        .iter()
+        .take(4)
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let mut dn = DistinguishedName::new();
-    dn.push(DnType::CommonName, CA_COMMON_NAME);
+    dn.push(DnType::CommonName, format!("{CA_COMMON_NAME} {fingerprint}"));
     params.distinguished_name = dn;
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     params.key_usages = vec![
@@ -163,7 +171,7 @@ fn load_or_create_ca(
         }
         (false, false) => {
             let key = KeyPair::generate()?;
-            let params = ca_params();
+            let params = ca_params(&key);
             let cert = params.self_signed(&key)?;
             write_file(&key_path, key.serialize_pem().as_bytes(), true)?;
             write_file(&cert_path, cert.pem().as_bytes(), false)?;
@@ -370,10 +378,8 @@ mod tests {
         }
         let loaded = TlsIdentity::in_dir(dir.path(), "beta-1").load().unwrap();
         assert_eq!(common_name(&loaded.cert_chain[0]).as_deref(), Some("beta-1"));
-        assert_eq!(
-            common_name(&loaded.ca_certs[0]).as_deref(),
-            Some(CA_COMMON_NAME)
-        );
+        let ca_name = common_name(&loaded.ca_certs[0]).unwrap();
+        assert!(ca_name.starts_with(CA_COMMON_NAME), "{ca_name}");
     }
 
     #[cfg(unix)]
