@@ -34,7 +34,10 @@ fn main() {
     {
         println!("round {round}: transport {ours:8.1} MB/s   raw quinn {raw:8.1} MB/s");
     }
-    println!("transport (PeerConnection) {:8.1} MB/s", result.transport_mb_s);
+    println!(
+        "transport (PeerConnection) {:8.1} MB/s",
+        result.transport_mb_s
+    );
     println!("raw quinn uni streams      {:8.1} MB/s", result.raw_mb_s);
     println!("ratio transport/raw = {:.2}x", result.ratio());
 }

@@ -115,7 +115,8 @@ pub async fn bench_transport_vs_raw(params: &BenchParams) -> Result<BenchResult,
         addr: Some(localhost),
         source,
     };
-    let raw_server = quinn::Endpoint::server(raw_server_configs.server, localhost).map_err(bind_error)?;
+    let raw_server =
+        quinn::Endpoint::server(raw_server_configs.server, localhost).map_err(bind_error)?;
     let mut raw_client = quinn::Endpoint::client(localhost).map_err(bind_error)?;
     raw_client.set_default_client_config(raw_client_configs.client);
     let raw_server_addr = raw_server.local_addr().map_err(bind_error)?;
@@ -156,14 +157,24 @@ pub async fn bench_transport_vs_raw(params: &BenchParams) -> Result<BenchResult,
     };
     let (mut transport_time, mut raw_time) = (Duration::ZERO, Duration::ZERO);
     for _ in 0..params.rounds {
-        let elapsed = transport_round(&to_receiver, &from_sender, &message, params.messages).await?;
+        let elapsed =
+            transport_round(&to_receiver, &from_sender, &message, params.messages).await?;
         transport_time += elapsed;
         result
             .transport_rounds_mb_s
             .push(mb_per_s(bytes_per_round, elapsed));
-        let elapsed = raw_round(&raw_out, &raw_in, &raw_bytes, params.messages, config.max_message_bytes).await?;
+        let elapsed = raw_round(
+            &raw_out,
+            &raw_in,
+            &raw_bytes,
+            params.messages,
+            config.max_message_bytes,
+        )
+        .await?;
         raw_time += elapsed;
-        result.raw_rounds_mb_s.push(mb_per_s(bytes_per_round, elapsed));
+        result
+            .raw_rounds_mb_s
+            .push(mb_per_s(bytes_per_round, elapsed));
     }
     let total = bytes_per_round * params.rounds as u64;
     result.transport_mb_s = mb_per_s(total, transport_time);

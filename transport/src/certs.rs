@@ -108,7 +108,10 @@ fn ca_params(key: &KeyPair) -> CertificateParams {
         .map(|b| format!("{b:02x}"))
         .collect();
     let mut dn = DistinguishedName::new();
-    dn.push(DnType::CommonName, format!("{CA_COMMON_NAME} {fingerprint}"));
+    dn.push(
+        DnType::CommonName,
+        format!("{CA_COMMON_NAME} {fingerprint}"),
+    );
     params.distinguished_name = dn;
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     params.key_usages = vec![
@@ -193,27 +196,30 @@ fn load_or_create_ca(
 /// Whether the certificate's subject public key is `key`'s public key.
 fn spki_matches(cert: &CertificateDer<'_>, key: &KeyPair) -> bool {
     match x509_parser::parse_x509_certificate(cert) {
-        Ok((_, parsed)) => parsed.public_key().subject_public_key.data.as_ref() == key.public_key_raw(),
+        Ok((_, parsed)) => {
+            parsed.public_key().subject_public_key.data.as_ref() == key.public_key_raw()
+        }
         Err(_) => false,
     }
 }
 
 fn read_text(path: &Path, what: &'static str) -> Result<String, CertError> {
-    fs::read_to_string(path).map_err(|source| CertError::Io {
-        action: "read",
-        path: path.to_path_buf(),
-        source,
-    })
-    .map_err(|e| match e {
-        CertError::Io { source, path, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-            CertError::Missing {
-                what,
-                path,
-                hint: "it was removed while the certificates were being created".to_string(),
+    fs::read_to_string(path)
+        .map_err(|source| CertError::Io {
+            action: "read",
+            path: path.to_path_buf(),
+            source,
+        })
+        .map_err(|e| match e {
+            CertError::Io { source, path, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                CertError::Missing {
+                    what,
+                    path,
+                    hint: "it was removed while the certificates were being created".to_string(),
+                }
             }
-        }
-        other => other,
-    })
+            other => other,
+        })
 }
 
 /// Write `bytes` to `path` through a temporary file and a rename, so a crash
@@ -377,7 +383,10 @@ mod tests {
             assert!(path.exists(), "{} missing", path.display());
         }
         let loaded = TlsIdentity::in_dir(dir.path(), "beta-1").load().unwrap();
-        assert_eq!(common_name(&loaded.cert_chain[0]).as_deref(), Some("beta-1"));
+        assert_eq!(
+            common_name(&loaded.cert_chain[0]).as_deref(),
+            Some("beta-1")
+        );
         let ca_name = common_name(&loaded.ca_certs[0]).unwrap();
         assert!(ca_name.starts_with(CA_COMMON_NAME), "{ca_name}");
     }
@@ -389,7 +398,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         create_cluster_certs(dir.path(), &names(&["n1"])).unwrap();
         for file in ["ca.key", "n1.key"] {
-            let mode = fs::metadata(dir.path().join(file)).unwrap().permissions().mode();
+            let mode = fs::metadata(dir.path().join(file))
+                .unwrap()
+                .permissions()
+                .mode();
             assert_eq!(mode & 0o777, 0o600, "{file}");
         }
     }
@@ -400,7 +412,10 @@ mod tests {
         create_cluster_certs(dir.path(), &names(&["a"])).unwrap();
         let ca_before = fs::read(dir.path().join(CA_CERT_FILE)).unwrap();
         let written = create_cluster_certs(dir.path(), &names(&["b"])).unwrap();
-        assert_eq!(written, vec![dir.path().join("b.pem"), dir.path().join("b.key")]);
+        assert_eq!(
+            written,
+            vec![dir.path().join("b.pem"), dir.path().join("b.key")]
+        );
         assert_eq!(fs::read(dir.path().join(CA_CERT_FILE)).unwrap(), ca_before);
         // The new node's certificate names the same CA as issuer.
         let b = TlsIdentity::in_dir(dir.path(), "b").load().unwrap();
@@ -422,9 +437,21 @@ mod tests {
     #[test]
     fn rejects_bad_node_names_before_writing_anything() {
         let dir = tempfile::tempdir().unwrap();
-        for bad in ["", "a/b", "ca", ".hidden", "x..y", "trailing-", "sp ace", &"x".repeat(64)] {
+        for bad in [
+            "",
+            "a/b",
+            "ca",
+            ".hidden",
+            "x..y",
+            "trailing-",
+            "sp ace",
+            &"x".repeat(64),
+        ] {
             let err = create_cluster_certs(dir.path(), &names(&["ok", bad])).unwrap_err();
-            assert!(matches!(err, CertError::InvalidName { .. }), "{bad:?}: {err}");
+            assert!(
+                matches!(err, CertError::InvalidName { .. }),
+                "{bad:?}: {err}"
+            );
         }
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
         for good in ["worker-0", "agg_1.site-a", "A9"] {
@@ -436,7 +463,9 @@ mod tests {
     fn a_missing_file_names_the_path_and_the_fix() {
         let dir = tempfile::tempdir().unwrap();
         create_cluster_certs(dir.path(), &names(&["present"])).unwrap();
-        let err = TlsIdentity::in_dir(dir.path(), "absent").load().unwrap_err();
+        let err = TlsIdentity::in_dir(dir.path(), "absent")
+            .load()
+            .unwrap_err();
         let CertError::Missing { path, .. } = &err else {
             panic!("expected Missing, got {err}");
         };

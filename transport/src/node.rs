@@ -74,11 +74,7 @@ impl QuicNode {
             })?;
         endpoint.set_default_client_config(configs.client);
         let (sender, receiver) = mpsc::channel(ACCEPT_QUEUE);
-        let acceptor = tokio::spawn(accept_connections(
-            endpoint.clone(),
-            config.clone(),
-            sender,
-        ));
+        let acceptor = tokio::spawn(accept_connections(endpoint.clone(), config.clone(), sender));
         Ok(QuicNode {
             endpoint,
             config: config.clone(),
