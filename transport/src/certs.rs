@@ -1,6 +1,7 @@
 //! The cluster's certificates: a CA that signs one certificate per node
 //! ([`create_cluster_certs`]), where a node finds its files ([`TlsIdentity`]),
-//! and loading them for rustls ([`TlsIdentity::load`]).
+//! and loading them for rustls ([`TlsIdentity::check`] reports what is wrong
+//! with them before a node starts).
 //!
 //! Layout of a certificate directory `D`:
 //!
@@ -298,6 +299,12 @@ impl TlsIdentity {
             "run `dreamddp certs --dir {} --nodes {name}` to create it",
             dir.display()
         )
+    }
+
+    /// Read and parse the three files without starting anything, e.g. to
+    /// report a missing or corrupt file at startup.
+    pub fn check(&self) -> Result<(), CertError> {
+        self.load().map(|_| ())
     }
 
     /// Read and parse the three files. Errors name the file and the command

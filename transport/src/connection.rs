@@ -468,7 +468,7 @@ mod tests {
             .map(|i| layer_delta(100 + i, i.into(), 1 << 20))
             .collect();
         let mut senders = JoinSet::new();
-        for message in large.iter().cloned() {
+        for message in large.clone() {
             let connection = to_agg.clone();
             senders.spawn(async move { connection.send(&message).await.map(|_| ()) });
         }
