@@ -272,6 +272,7 @@ mod tests {
         for seed in [1, 2, 3] {
             let verdicts = offer(&mut shaper(&spec, seed), 20_000, 100_000, 1200);
             let rate = count(&verdicts, DropReason::RandomLoss) as f64 / 20_000.0;
+            eprintln!("seed {seed}: iid loss rate {rate:.4} (configured 0.2)");
             assert!((rate - 0.2).abs() < 0.015, "seed {seed}: loss rate {rate}");
             assert_eq!(
                 count(&verdicts, DropReason::RandomLoss)
@@ -304,6 +305,7 @@ mod tests {
             .collect();
         let rate = lost.iter().filter(|&&l| l).count() as f64 / n as f64;
         let expected = ge.stationary_loss();
+        eprintln!("Gilbert-Elliott loss rate {rate:.4}, stationary {expected:.4}");
         assert!((rate - expected).abs() < 0.01, "rate {rate} vs {expected}");
         let after_loss = lost.windows(2).filter(|w| w[0]).count() as f64;
         let lost_after_loss = lost.windows(2).filter(|w| w[0] && w[1]).count() as f64;
@@ -367,6 +369,7 @@ mod tests {
             .count() as u64
             * 1200;
         let rate = delivered as f64 * 8.0 / 2.0;
+        eprintln!("10 Mbit/s link delivered {rate} bit/s");
         assert!((rate / 10e6 - 1.0).abs() < 0.02, "rate {rate} bit/s");
         // The excess was tail-dropped, and the queue never held more than its bound (200 ms of
         // 10 Mbit/s = 250 kB).
@@ -521,6 +524,7 @@ mod tests {
         let period = trace.period().as_nanos();
         let (delivered, offered) = saturate(trace.clone(), TraceFormat::Mahimahi, period, 100_000);
         let ratio = delivered as f64 / offered as f64;
+        eprintln!("mahimahi replay: {delivered} of {offered} bytes ({ratio:.4})");
         assert!(
             (ratio - 1.0).abs() < 0.01,
             "{delivered} of {offered} ({ratio})"
@@ -535,6 +539,7 @@ mod tests {
         let period = trace.period().as_nanos();
         let (delivered, offered) = saturate(trace, TraceFormat::Mbps, period, 200_000);
         let ratio = delivered as f64 / offered as f64;
+        eprintln!("mbps replay: {delivered} of {offered} bytes ({ratio:.4})");
         assert!(
             (ratio - 1.0).abs() < 0.01,
             "{delivered} of {offered} ({ratio})"
@@ -554,6 +559,7 @@ mod tests {
         let (delivered, offered) =
             saturate(Arc::new(trace), TraceFormat::Mahimahi, 20_000 * MS, 100_000);
         let ratio = delivered as f64 / offered as f64;
+        eprintln!("ATT uplink 20 s replay: {delivered} of {offered} bytes ({ratio:.4})");
         assert!(
             (ratio - 1.0).abs() < 0.01,
             "{delivered} of {offered} ({ratio})"

@@ -426,6 +426,7 @@ mod tests {
                 rtts.push(sent.elapsed());
             }
             rtts.sort();
+            eprintln!("RTTs through a 40 ms + 40 ms relay: {rtts:?}");
             assert!(rtts[0] >= Duration::from_millis(80), "{rtts:?}");
             assert!(rtts[2] < Duration::from_millis(250), "{rtts:?}");
             let stats = relay.stats();
