@@ -1,0 +1,203 @@
+//! End-to-end tests of the real cluster: they start the real `dreamddp` binaries (coordinator,
+//! aggregators, worker node, edge agents, relays) on 127.0.0.1 and check what their
+//! summaries, ledgers and logs say. The model is the MNIST `mlp` when `../shared/data` is
+//! present and the embedded digits otherwise (`dataset = "auto"`).
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{dreamddp, scratch, text};
+use serde_json::Value;
+
+fn example() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/cluster-lossy.toml")
+}
+
+fn run_cluster(file: &Path, out: &Path, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "cluster",
+        file.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let o = dreamddp(&args);
+    assert!(o.status.success(), "cluster failed:\n{}", text(&o));
+    let summary = std::fs::read_to_string(out.join("summary.json")).expect("summary.json");
+    serde_json::from_str(&summary).unwrap()
+}
+
+fn node<'a>(summary: &'a Value, name: &str) -> &'a Value {
+    summary["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["name"] == name)
+        .unwrap_or_else(|| panic!("node {name} in {summary}"))
+}
+
+#[test]
+fn lossy_cluster_trains_within_one_point_of_the_clean_cluster() {
+    let dir = scratch("cluster-lossy");
+    let lossy = run_cluster(&example(), &dir.join("lossy"), &[]);
+    let clean = run_cluster(&example(), &dir.join("clean"), &["--clean-links"]);
+    let acc_lossy = lossy["final_accuracy"].as_f64().unwrap();
+    let acc_clean = clean["final_accuracy"].as_f64().unwrap();
+    eprintln!("lossy {acc_lossy:.4} clean {acc_clean:.4}");
+    assert!(acc_clean > 0.85, "clean cluster accuracy {acc_clean}");
+    assert!(
+        acc_lossy >= acc_clean - 0.01,
+        "lossy {acc_lossy} vs clean {acc_clean}"
+    );
+    // The relays really were lossy, every process exited cleanly, nothing applied twice.
+    assert!(lossy["relay_dropped_datagrams"].as_u64().unwrap() > 0);
+    assert_eq!(clean["relay_dropped_datagrams"], 0);
+    for s in [&lossy, &clean] {
+        assert_eq!(s["ledger_duplicates"], 0, "{s}");
+        assert!(s["deltas_applied"].as_u64().unwrap() > 0);
+        for n in s["nodes"].as_array().unwrap() {
+            assert!(
+                n["exit"].as_str().unwrap().contains("exit status: 0"),
+                "{n}"
+            );
+        }
+    }
+    assert!(node(&lossy, "edge-2")["relayed"].as_bool().unwrap());
+    assert!(node(&lossy, "edge-2")["bytes_sent"].as_u64().unwrap() > 0);
+    // Status and metrics were served.
+    let metrics = std::fs::read_to_string(dir.join("lossy/metrics.txt")).unwrap();
+    assert!(metrics.contains("dreamddp_layer_version"), "{metrics}");
+}
+
+#[test]
+fn kill_9_of_an_edge_and_an_aggregator_loses_nothing_and_applies_each_delta_once() {
+    let dir = scratch("cluster-chaos");
+    let text = std::fs::read_to_string(example()).unwrap();
+    // Same cluster, clean links, plus chaos: SIGKILL an edge and an aggregator mid-training.
+    let text = text.replace("[[edges]]\nname = \"edge-2\"\n[edges.relay]\nseed = 2\nup = { latency_ms = 200, loss = 0.2 }\ndown = { latency_ms = 200, loss = 0.2 }\n", "[[edges]]\nname = \"edge-2\"\n");
+    let chaos = format!(
+        "{text}\n[[chaos]]\nkill = \"edge-1\"\nat_s = 4.0\ndown_s = 1.0\n\n[[chaos]]\nkill = \"agg-1\"\nat_s = 6.0\ndown_s = 1.0\n"
+    );
+    let file = example().parent().unwrap().join(format!("chaos-{}.toml", std::process::id()));
+    std::fs::write(&file, chaos).unwrap();
+    let summary = run_cluster(&file, &dir.join("out"), &[]);
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(node(&summary, "edge-1")["kills"], 1, "{summary}");
+    assert_eq!(node(&summary, "agg-1")["kills"], 1, "{summary}");
+    // Each (node, layer, seq) is in the aggregators' ledgers at most once, every delta of
+    // the restarted edge was delivered, and the model still trains.
+    assert_eq!(summary["ledger_duplicates"], 0, "{summary}");
+    assert_eq!(node(&summary, "edge-1")["undelivered"], 0, "{summary}");
+    assert!(summary["final_accuracy"].as_f64().unwrap() > 0.8, "{summary}");
+    // The restarted aggregator resumed from its shard file.
+    let log = std::fs::read_to_string(dir.join("out/agg-1/log.txt")).unwrap();
+    assert!(log.contains("resumed from"), "{log}");
+}
+
+fn free_port() -> SocketAddr {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+struct Killed(Child);
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn coordinator_refuses_foreign_certificates_and_survives_garbage_frames() {
+    let dir = scratch("cluster-auth");
+    let certs = dir.join("certs");
+    let other = dir.join("other-ca");
+    let o = dreamddp(&["certs", "--dir", certs.to_str().unwrap(), "--nodes", "coordinator,edge-1"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = dreamddp(&["certs", "--dir", other.to_str().unwrap(), "--nodes", "edge-1"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let listen = free_port();
+    let config = dir.join("coordinator.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\nmodel = \"mlp\"\ndataset = \"digits\"\n\n[node]\nlisten = \"{listen}\"\ncerts_dir = \"{}\"\ncredentials = \"secret\"\n",
+            certs.display()
+        ),
+    )
+    .unwrap();
+    let log_path = dir.join("coordinator.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_dreamddp"))
+        .args(["coordinator", "--config", config.to_str().unwrap()])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::from(log.try_clone().unwrap()))
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap();
+    let _guard = Killed(child);
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cfg = transport::TransportConfig::default();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let good = transport::QuicNode::bind(any, &transport::TlsIdentity::in_dir(&certs, "edge-1"), &cfg).unwrap();
+        let foreign = transport::QuicNode::bind(any, &transport::TlsIdentity::in_dir(&other, "edge-1"), &cfg).unwrap();
+        // Wait for the coordinator to come up.
+        let started = Instant::now();
+        let conn = loop {
+            match good.connect(listen, "coordinator").await {
+                Ok(c) => break c,
+                Err(e) => {
+                    assert!(started.elapsed() < Duration::from_secs(30), "coordinator never came up: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        // A peer whose certificate is from another CA is refused.
+        assert!(foreign.connect(listen, "coordinator").await.is_err());
+        // Garbage from an authenticated peer: that connection is dropped...
+        conn.send_frame(b"DDP1 this is not a frame at all").await.unwrap();
+        let closed = tokio::time::timeout(Duration::from_secs(10), conn.recv()).await;
+        assert!(matches!(closed, Ok(Err(_))), "{closed:?}");
+        // ...and the coordinator keeps serving: a proper join is answered.
+        let conn = good.connect(listen, "coordinator").await.unwrap();
+        let join = protocol::Message::Join(protocol::Join {
+            node_id: 7,
+            role: protocol::Role::Edge,
+            credentials: "secret".into(),
+            capabilities: protocol::Capabilities::default(),
+            listen_addr: String::new(),
+        });
+        conn.send(&join).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), conn.recv()).await.unwrap().unwrap();
+        assert!(matches!(answer, protocol::Message::JoinAck(_)), "{answer:?}");
+        // Wrong credentials are refused with a typed error.
+        let conn = good.connect(listen, "coordinator").await.unwrap();
+        let mut bad = join.clone();
+        if let protocol::Message::Join(j) = &mut bad {
+            j.credentials = "wrong".into();
+            j.node_id = 8;
+        }
+        conn.send(&bad).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), conn.recv()).await.unwrap();
+        assert!(
+            matches!(answer, Ok(protocol::Message::Error(ref e)) if e.code == protocol::ErrorCode::Unauthorized),
+            "{answer:?}"
+        );
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    assert!(log.contains("refused"), "{log}");
+    assert!(log.contains("edge-1"), "the log names the peer: {log}");
+}
