@@ -1,11 +1,16 @@
 //! Scenario files: the TOML schema shared by every kind of simulation, with errors that name
 //! the bad key or value. `kind = "clusters"` scenarios carry a `[clusters]` table (see
 //! [`crate::clusters`]); `kind = "edge"` scenarios an `[edge]` table (see [`crate::edge`]).
+//! Both kinds name device classes from one registry ([`DeviceRegistry`]): the built-in classes
+//! plus the scenario's `[devices.NAME]` tables (FLOP rate and/or per-layer times, see
+//! [`crate::compute`]).
 
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use thiserror::Error;
+
+use crate::compute::{ComputeError, Device, DeviceRegistry, DeviceSpec};
 
 /// Errors reading or validating a scenario.
 #[derive(Debug, Error)]
@@ -101,6 +106,10 @@ pub struct Scenario {
     pub clusters: Option<crate::clusters::ClustersSpec>,
     /// The edge table (kind = edge).
     pub edge: Option<crate::edge::EdgeSpec>,
+    /// Device classes besides the built-in ones (`[devices.NAME]`), usable by every kind.
+    /// After loading it also holds the classes of `[clusters.devices]`.
+    #[serde(default)]
+    pub devices: DeviceRegistry,
     /// Named link specs that the tables above refer to.
     #[serde(default)]
     pub links: std::collections::BTreeMap<String, crate::link::LinkSpec>,
@@ -156,8 +165,40 @@ impl Scenario {
             message: e.to_string(),
         })?;
         s.base_dir = base_dir.to_path_buf();
+        s.merge_device_tables(source_name)?;
         s.validate(source_name)?;
         Ok(s)
+    }
+
+    /// Resolves a device class by name from the scenario's registry; `key` is the referring
+    /// key, named in the error when the class is unknown.
+    pub fn device(&self, name: &str, key: &str) -> Result<Device, ComputeError> {
+        self.devices.resolve(name, self.batch, key)
+    }
+
+    /// Makes [`Scenario::devices`] the one registry: folds `[clusters.devices]` into it (a
+    /// name defined in both tables is an error), validates every class, and gives the clusters
+    /// table every class that has a FLOP rate, so its own lookup finds top-level classes too.
+    fn merge_device_tables(&mut self, src: &str) -> Result<(), ScenarioError> {
+        let invalid = |e: ComputeError| ScenarioError::Invalid {
+            source_name: src.to_string(),
+            key: e.key,
+            problem: e.problem,
+        };
+        if let Some(clusters) = &mut self.clusters {
+            for (name, class) in &clusters.devices {
+                self.devices
+                    .add("clusters.devices", name, DeviceSpec::from(class.clone()))
+                    .map_err(invalid)?;
+            }
+            self.devices.validate().map_err(invalid)?;
+            for (name, spec) in self.devices.custom() {
+                if let Some(rate) = spec.rate() {
+                    clusters.devices.insert(name.to_string(), rate);
+                }
+            }
+        }
+        self.devices.validate().map_err(invalid)
     }
 
     /// Loads a scenario by built-in name or file path.

@@ -1,12 +1,14 @@
 //! The `[edge]` table of a scenario ([`EdgeSpec`]) and its validation against the rest of the
-//! scenario: link names, device classes, churn entries. Every error names the dotted key.
+//! scenario: link names, device classes (resolved from the scenario's one device registry, so
+//! built-in, custom and measured classes all work), churn entries. Every error names the dotted
+//! key.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::compute::DeviceClass;
+use crate::compute::Device;
 use crate::link::LinkSpec;
 use crate::scenario::Scenario;
 
@@ -93,7 +95,7 @@ pub struct CloudSpec {
     /// Number of cloud nodes (may be 0). Named `cloud-0`, `cloud-1`, ...
     #[serde(default = "one_usize")]
     pub count: usize,
-    /// Device class of each GPU (see [`DeviceClass::builtin`]); default `a100`.
+    /// Device class of each GPU: built-in or a scenario's `[devices.NAME]`; default `a100`.
     #[serde(default = "default_cloud_device")]
     pub device: String,
     /// GPUs per node: the per-step batch multiplier (default 1).
@@ -167,7 +169,7 @@ fn default_blocking_round_timeout_s() -> f64 {
 pub struct DevicesSpec {
     /// Number of devices. Named `edge-0`, `edge-1`, ...
     pub count: usize,
-    /// Device class (default `jetson-orin`).
+    /// Device class: built-in or a scenario's `[devices.NAME]`; default `jetson-orin`.
     #[serde(default = "default_edge_device")]
     pub device: String,
     /// Link references, assigned to devices in turn (`edge-i` gets `links[i % len]`).
@@ -323,18 +325,6 @@ pub fn resolve_link(
     }
 }
 
-fn device(name: &str, key: &str) -> Result<DeviceClass, EdgeSpecError> {
-    DeviceClass::builtin(name).ok_or_else(|| {
-        spec_error(
-            key,
-            format!(
-                "unknown device class '{name}' (known: {})",
-                DeviceClass::BUILTIN.join(", ")
-            ),
-        )
-    })
-}
-
 fn positive_finite(value: f64, key: &str) -> Result<(), EdgeSpecError> {
     if value.is_finite() && value > 0.0 {
         Ok(())
@@ -350,9 +340,9 @@ fn positive_finite(value: f64, key: &str) -> Result<(), EdgeSpecError> {
 #[derive(Clone, Debug)]
 pub struct ResolvedEdge {
     /// Cloud device class.
-    pub cloud_device: DeviceClass,
+    pub cloud_device: Device,
     /// Edge device class.
-    pub edge_device: DeviceClass,
+    pub edge_device: Device,
     /// Access link of each cloud node.
     pub cloud_link: Option<AccessLink>,
     /// Access link of each aggregator.
@@ -372,6 +362,11 @@ impl EdgeSpec {
 
     /// Checks every value and resolves device classes and links against `scenario`.
     pub fn resolve(&self, scenario: &Scenario) -> Result<ResolvedEdge, EdgeSpecError> {
+        let device = |name: &str, key: &str| {
+            scenario
+                .device(name, key)
+                .map_err(|e| spec_error(e.key, e.problem))
+        };
         let cloud_device = device(&self.cloud.device, "edge.cloud.device")?;
         let edge_device = device(&self.devices.device, "edge.devices.device")?;
         if self.cloud.count + self.devices.count == 0 {
