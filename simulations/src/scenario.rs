@@ -281,3 +281,80 @@ pub fn traces_base_dir() -> PathBuf {
         .filter(|p| p.join("ATT-LTE-driving-2016.up").is_file())
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("traces"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEAD: &str = r#"
+name = "t"
+kind = "clusters"
+target = 0.9
+strategies = ["ssgd"]
+[links.wan]
+bandwidth = "1gbit"
+[clusters]
+inter_link = "wan"
+groups = [{ name = "dc", count = 2, workers = 1, device = "timed" }]
+"#;
+
+    fn parse(extra: &str) -> Result<Scenario, ScenarioError> {
+        Scenario::parse(&format!("{HEAD}{extra}"), "t", Path::new("."))
+    }
+
+    fn err(extra: &str) -> String {
+        parse(extra).expect_err("must be rejected").to_string()
+    }
+
+    #[test]
+    fn top_level_classes_reach_the_clusters_table_and_resolve() {
+        let s = parse("[devices.timed]\nflops = 3e9\n[devices.timed.layers]\nfc1 = { forward_ms = 1.5, backward_ms = 3 }\n[devices.layers-only.layers]\nfc1 = { forward_ms = 1, backward_ms = 2 }\n")
+            .expect("parses");
+        let clusters = s.clusters.as_ref().expect("clusters");
+        assert_eq!(clusters.devices["timed"].flops, 3e9);
+        assert!(
+            !clusters.devices.contains_key("layers-only"),
+            "a class without a rate has no FLOP form"
+        );
+        let d = s
+            .device("timed", "clusters.groups[0].device")
+            .expect("resolves");
+        assert_eq!(d.reference_batch, s.batch);
+        assert_eq!(d.layers["fc1"].backward_ms, 3.0);
+    }
+
+    #[test]
+    fn the_older_clusters_devices_table_joins_the_registry() {
+        let s = parse("[clusters.devices.timed]\nflops = 2e9\nlayer_overhead_s = 1e-5\n")
+            .expect("parses");
+        let d = s.device("timed", "k").expect("resolves");
+        assert_eq!(d.rate.expect("rate").layer_overhead_s, 1e-5);
+        let e = err("[clusters.devices.timed]\nflops = 2e9\n[devices.timed]\nflops = 1e9\n");
+        assert!(
+            e.contains(
+                "clusters.devices.timed: device class 'timed' is already defined as devices.timed"
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_device_tables_name_the_key() {
+        let e = err("[devices.timed.layers]\nfc1 = { forward_ms = 1 }\n");
+        assert!(e.contains("backward_ms"), "{e}");
+        let e = err("[devices.timed.layers]\nfc1 = { forward_ms = 1, backward_ms = 2, bwd = 3 }\n");
+        assert!(e.contains("unknown field `bwd`"), "{e}");
+        let e = err("[devices.timed]\nflop = 1e9\n");
+        assert!(e.contains("unknown field `flop`"), "{e}");
+        let e = err("[devices.timed.layers]\nfc1 = { forward_ms = -1, backward_ms = 2 }\n");
+        assert!(
+            e.contains("devices.timed.layers.fc1.forward_ms: must be a non-negative"),
+            "{e}"
+        );
+        let e = err("[devices.timed]\nflops = 0\n");
+        assert!(
+            e.contains("devices.timed.flops: must be a positive number"),
+            "{e}"
+        );
+    }
+}

@@ -504,3 +504,125 @@ impl EdgeSpec {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use gpu_worker::task::{load_data, ModelKind, Task};
+
+    use crate::compute::{layer_costs, DeviceClass};
+    use crate::edge::run_edge;
+    use crate::scenario::Scenario;
+
+    /// One cloud node and two edge devices on `device`, with `devices` appended.
+    fn scenario(device: &str, devices: &str) -> Scenario {
+        let text = format!(
+            r#"
+name = "custom"
+seed = 9
+kind = "edge"
+model = "mlp"
+dataset = "digits"
+batch = 16
+max_steps = 30
+max_virtual_s = 60
+eval_every_s = 2
+eval_limit = 200
+target = 0.9
+strategies = ["elastic"]
+[edge.cloud]
+count = 1
+link = "dc"
+[edge.aggregators]
+link = "dc"
+[edge.devices]
+count = 2
+device = "{device}"
+links = ["dc"]
+jitter = 0.1
+[links.dc]
+bandwidth = "100mbit"
+latency_ms = 5
+{devices}
+"#
+        );
+        Scenario::parse(&text, "custom", Path::new(".")).expect("parses")
+    }
+
+    fn digits() -> Task {
+        Task::new(
+            ModelKind::Mlp,
+            "digits",
+            load_data("digits", None).expect("embedded digits"),
+        )
+        .expect("task")
+    }
+
+    #[test]
+    fn custom_and_measured_classes_work_in_an_edge_scenario() {
+        let task = digits();
+        let run = |s: &Scenario| run_edge(s, &task, "elastic", &mut |_| {}).expect("runs");
+        let builtin = run(&scenario("jetson-orin", ""));
+        // A scenario class with the built-in's numbers: the very same run.
+        let orin = DeviceClass::builtin("jetson-orin").expect("orin");
+        let same = scenario(
+            "my-orin",
+            &format!(
+                "[devices.my-orin]\nflops = {:e}\nlayer_overhead_s = {:e}\n",
+                orin.flops, orin.layer_overhead_s
+            ),
+        );
+        assert_eq!(run(&same), builtin);
+        // A slower scenario class: the devices' steps take longer.
+        let slow = run(&scenario("slow", "[devices.slow]\nflops = 1e9\n"));
+        assert!(
+            slow.mean_step_s > builtin.mean_step_s,
+            "{} vs {}",
+            slow.mean_step_s,
+            builtin.mean_step_s
+        );
+        // Per-layer times given for every layer (as --measure-device writes them).
+        let model = task.build_model(9);
+        let layers: String = layer_costs(&model, &task)
+            .iter()
+            .map(|l| format!("{} = {{ forward_ms = 5.0, backward_ms = 10.0 }}\n", l.name))
+            .collect();
+        let timed = scenario("timed", &format!("[devices.timed.layers]\n{layers}"));
+        let resolved = timed
+            .edge
+            .as_ref()
+            .expect("edge")
+            .resolve(&timed)
+            .expect("resolves");
+        assert_eq!(resolved.edge_device.name, "timed");
+        let t = run(&timed);
+        assert!(t.mean_step_s > slow.mean_step_s, "{}", t.mean_step_s);
+        assert_eq!(t, run(&timed), "deterministic");
+    }
+
+    #[test]
+    fn an_unknown_edge_device_lists_the_scenario_classes() {
+        let s = scenario("tpu", "[devices.mine]\nflops = 1e9\n");
+        let e = s
+            .edge
+            .as_ref()
+            .expect("edge")
+            .resolve(&s)
+            .expect_err("unknown")
+            .to_string();
+        assert!(
+            e.starts_with("edge.devices.device: unknown device class 'tpu'") && e.contains("mine"),
+            "{e}"
+        );
+        let s = scenario(
+            "bad",
+            "[devices.bad.layers]\nfc9 = { forward_ms = 1, backward_ms = 1 }\n",
+        );
+        let e = run_edge(&s, &digits(), "elastic", &mut |_| {}).expect_err("fc9 is no layer");
+        assert!(
+            e.contains("devices.bad.layers.fc9") && e.contains("(its layers: flatten, fc1, relu1,"),
+            "{e}"
+        );
+    }
+}
