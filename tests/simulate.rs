@@ -144,6 +144,16 @@ fn scenario_errors_name_the_key() {
             "wifi",
         ),
         (SMALL.replace("kind = \"edge\"", "kind = \"mesh\""), "mesh"),
+        (
+            SMALL.replace("\"jetson-orin\"", "\"timed\"")
+                + "[devices.timed.layers]\nfc9 = { forward_ms = 1, backward_ms = 2 }\n",
+            "devices.timed.layers.fc9: the model has no layer 'fc9' (its layers: flatten, fc1",
+        ),
+        (
+            SMALL.replace("\"jetson-orin\"", "\"timed\"")
+                + "[devices.timed.layers]\nfc1 = { forward_ms = 1 }\n",
+            "backward_ms",
+        ),
     ];
     for (i, (toml, needle)) in cases.iter().enumerate() {
         let p = dir.join(format!("bad{i}.toml"));
@@ -211,7 +221,10 @@ fn a_device_class_measured_here_drives_a_clusters_scenario() {
     assert!(o.status.success(), "{}", text(&o));
     let snippet = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(
-        snippet.contains("[clusters.devices.this-machine]") && snippet.contains("flops = "),
+        snippet.contains("[devices.this-machine]")
+            && snippet.contains("flops = ")
+            && snippet.contains("[devices.this-machine.layers]")
+            && snippet.contains("fc1 = { forward_ms = "),
         "{snippet}"
     );
     let measured = dir.join("measured.toml");
@@ -232,4 +245,66 @@ fn a_device_class_measured_here_drives_a_clusters_scenario() {
     for r in runs {
         assert!(r["final_accuracy"].as_f64().unwrap_or(0.0) > 0.8, "{r}");
     }
+}
+
+#[test]
+fn per_layer_times_measured_here_drive_an_edge_scenario_and_replay() {
+    let dir = scratch("measure-edge");
+    let base = dir.join("base.toml");
+    std::fs::write(&base, SMALL).expect("write");
+    let o = dreamddp(&[
+        "simulate",
+        base.to_str().expect("utf-8"),
+        "--measure-device",
+        "here",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let snippet = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(snippet.contains("[devices.here.layers]"), "{snippet}");
+    // Only the per-layer table: the devices must run on the measured times alone.
+    let layers_only: String = snippet
+        .lines()
+        .filter(|l| !l.starts_with("flops") && !l.starts_with("layer_overhead_s"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let measured = dir.join("measured.toml");
+    std::fs::write(
+        &measured,
+        format!(
+            "{}\n{layers_only}",
+            SMALL.replace("\"jetson-orin\"", "\"here\"")
+        ),
+    )
+    .expect("write");
+    let out = dir.join("out");
+    let o = dreamddp(&[
+        "simulate",
+        "--quiet",
+        measured.to_str().expect("utf-8"),
+        "--strategies",
+        "elastic",
+        "--out",
+        out.to_str().expect("utf-8"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let summary = out.join("summary.json");
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&summary).expect("summary")).expect("json");
+    assert!(
+        v["scenario_toml"]
+            .as_str()
+            .expect("scenario text")
+            .contains("[devices.here.layers]"),
+        "the measured numbers travel in the summary"
+    );
+    let replay = dreamddp(&[
+        "simulate",
+        "--quiet",
+        "--replay",
+        summary.to_str().expect("utf-8"),
+        "--out",
+        dir.join("r").to_str().expect("utf-8"),
+    ]);
+    assert!(replay.status.success(), "{}", text(&replay));
+    assert!(text(&replay).contains("reproduced"), "{}", text(&replay));
 }
