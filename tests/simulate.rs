@@ -308,3 +308,49 @@ fn per_layer_times_measured_here_drive_an_edge_scenario_and_replay() {
     assert!(replay.status.success(), "{}", text(&replay));
     assert!(text(&replay).contains("reproduced"), "{}", text(&replay));
 }
+
+#[test]
+fn gpt_tiny_runs_in_a_clusters_scenario_with_a_loss_target() {
+    if engine::data::locate::shared_tinyshakespeare_path().is_none() {
+        eprintln!("skipped: tinyshakespeare not found (set DREAMDDP_DATA_DIR)");
+        return;
+    }
+    let dir = scratch("gpt");
+    let scenario = dir.join("gpt.toml");
+    let toml = SMALL_CLUSTERS
+        .replace("model = \"mlp\"", "model = \"gpt-tiny\"")
+        .replace("dataset = \"digits\"", "dataset = \"tinyshakespeare\"")
+        .replace("batch = 16", "batch = 4")
+        .replace("max_steps = 120", "max_steps = 6")
+        .replace("eval_limit = 360", "eval_limit = 1")
+        .replace("eval_every_s = 0.5", "eval_every_s = 0.01")
+        .replace("target = 0.85", "target = 4.0")
+        .replace(
+            "workers = 2, device = \"this-machine\"",
+            "workers = 1, device = \"a100\"",
+        );
+    std::fs::write(&scenario, toml).expect("write");
+    let out = dir.join("out");
+    let o = dreamddp(&[
+        "simulate",
+        "--quiet",
+        scenario.to_str().expect("utf-8"),
+        "--out",
+        out.to_str().expect("utf-8"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("target val loss <= 4"), "{}", text(&o));
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).expect("summary"))
+            .expect("json");
+    for r in v["strategies"].as_array().expect("strategies") {
+        assert!(
+            r["final_accuracy"].is_null(),
+            "a language model has no accuracy: {r}"
+        );
+        let loss = r["final_loss"].as_f64().expect("final_loss");
+        // A character model starts near ln(vocab) ≈ 4.2 nats and must move below it.
+        assert!(loss.is_finite() && loss < 4.0, "{r}");
+        assert!(r["time_to_target_s"].as_f64().is_some(), "{r}");
+    }
+}

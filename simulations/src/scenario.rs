@@ -155,6 +155,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../scenarios/mixed-cpu-gpu.toml"),
     ),
     ("edge-outage", include_str!("../scenarios/edge-outage.toml")),
+    (
+        "two-datacenters-gpt",
+        include_str!("../scenarios/two-datacenters-gpt.toml"),
+    ),
 ];
 
 impl Scenario {
@@ -336,6 +340,23 @@ groups = [{ name = "dc", count = 2, workers = 1, device = "timed" }]
             ),
             "{e}"
         );
+    }
+
+    #[test]
+    fn every_shipped_scenario_parses_and_its_devices_resolve() {
+        for (name, _) in BUILTIN {
+            let (s, _) = Scenario::load(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(&s.name, name);
+            let devices: Vec<String> = match (&s.clusters, &s.edge) {
+                (Some(c), _) => c.groups.iter().map(|g| g.device.clone()).collect(),
+                (None, Some(e)) => vec![e.cloud.device.clone(), e.devices.device.clone()],
+                (None, None) => unreachable!("validate requires one table"),
+            };
+            for d in devices {
+                s.device(&d, "device")
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+            }
+        }
     }
 
     #[test]
