@@ -8,8 +8,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use gpu_worker::task::{load_data, resolve_dataset, ModelKind, Task};
+use engine::loss::softmax_cross_entropy;
+use gpu_worker::task::{load_data, resolve_dataset, Batch, ModelKind, Task, TaskData};
 use indicatif::{ProgressBar, ProgressStyle};
+use simulations::compute::layer_costs;
 use simulations::report::SimSummary;
 use simulations::scenario::{Scenario, ScenarioKind, BUILTIN};
 
@@ -19,7 +21,7 @@ use crate::train_cmd::{human_bytes, write_json};
 /// Flags of `simulate`.
 #[derive(Args, Debug, Clone)]
 pub struct SimulateArgs {
-    /// Built-in scenario name (default, two-datacenters, mixed-cpu-gpu, edge-outage) or a TOML file.
+    /// Built-in scenario name (see --list) or a TOML file.
     #[arg(default_value = "default")]
     pub scenario: String,
     /// Override the scenario's seed.
@@ -41,7 +43,8 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub list: bool,
     /// Measure the scenario's model on this machine's built-in CPU backend (1 thread) and print
-    /// a device class NAME (`[clusters.devices.NAME]`) to paste into a scenario, instead of
+    /// a device class NAME (`[devices.NAME]`: a FLOP rate and a `[devices.NAME.layers]` table of
+    /// per-layer forward/backward ms) to paste into a scenario of either kind, instead of
     /// simulating. Keeps runs replayable: the measured numbers live in the scenario text.
     #[arg(long, value_name = "NAME")]
     pub measure_device: Option<String>,
@@ -174,37 +177,105 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     Ok(())
 }
 
-fn measure_device(scenario: &Scenario, task: &Task, name: &str) -> Result<()> {
-    engine::backend::set_threads(1);
-    let prof = gpu_worker::profile::profile_step(task, scenario.batch, 1, 10, scenario.seed);
-    let model = task.build_model(scenario.seed);
-    let macs: u64 = model
+/// Warm-up steps before [`measure_layers`] starts timing.
+const MEASURE_WARMUP: usize = 2;
+/// Timed steps of [`measure_layers`] (medians per layer).
+const MEASURE_STEPS: usize = 10;
+
+/// Median forward and backward seconds of every layer (forward order) of `task`'s model at
+/// `batch` on this thread; the loss is counted in the last layer's forward.
+fn measure_layers(task: &Task, batch_size: usize, seed: u64) -> Vec<(String, f64, f64)> {
+    use rand_chacha::rand_core::SeedableRng;
+    let mut model = task.build_model(seed);
+    let mut batch = Batch::default();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let n = task.train_len();
+    let layers = model.layers.len();
+    let mut fwd = vec![Vec::with_capacity(MEASURE_STEPS); layers];
+    let mut bwd = vec![Vec::with_capacity(MEASURE_STEPS); layers];
+    for it in 0..MEASURE_WARMUP + MEASURE_STEPS {
+        if matches!(task.data, TaskData::Images(_)) {
+            batch.indices = (0..batch_size).map(|i| (it * batch_size + i) % n).collect();
+        }
+        task.fill_batch(&mut batch, &mut rng, batch_size);
+        let mut f = vec![0.0; layers];
+        let mut b = vec![0.0; layers];
+        let mut x = batch.input.clone();
+        for (i, l) in model.layers.iter_mut().enumerate() {
+            let t = Instant::now();
+            x = l.layer.forward(&x, true);
+            f[i] = t.elapsed().as_secs_f64();
+        }
+        let t = Instant::now();
+        let (_, mut g) = softmax_cross_entropy(&x, &batch.targets);
+        f[layers - 1] += t.elapsed().as_secs_f64();
+        for (i, l) in model.layers.iter_mut().enumerate().rev() {
+            let t = Instant::now();
+            g = l.layer.backward(&g);
+            b[i] = t.elapsed().as_secs_f64();
+        }
+        if it >= MEASURE_WARMUP {
+            for i in 0..layers {
+                fwd[i].push(f[i]);
+                bwd[i].push(b[i]);
+            }
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    model
         .layers
         .iter()
-        .map(|l| l.layer.forward_macs_per_sample())
+        .zip(fwd.iter_mut().zip(bwd.iter_mut()))
+        .map(|(l, (f, b))| (l.name.clone(), median(f), median(b)))
+        .collect()
+}
+
+/// Measures the scenario's model here and prints a `[devices.NAME]` class: the FLOP rate of a
+/// whole step and every layer's forward/backward milliseconds at the scenario's batch.
+fn measure_device(scenario: &Scenario, task: &Task, name: &str) -> Result<()> {
+    if task.build_model(scenario.seed).layers.is_empty() {
+        bail!("{} has no layers to time", task.model.name());
+    }
+    engine::backend::set_threads(1);
+    let layers = measure_layers(task, scenario.batch, scenario.seed);
+    let forward_s: f64 = layers.iter().map(|l| l.1).sum();
+    let backward_s: f64 = layers.iter().map(|l| l.2).sum();
+    let model = task.build_model(scenario.seed);
+    let macs: u64 = layer_costs(&model, task)
+        .iter()
+        .map(|l| l.macs_per_sample)
         .sum();
-    // gpt-tiny counts MACs per token: a sample is `context` tokens.
-    let per_sample = match (&task.model, &task.gpt) {
-        (ModelKind::GptTiny, Some(g)) => g.context as f64,
-        _ => 1.0,
-    };
-    let step_s = prof.forward_s + prof.backward_s;
+    let step_s = forward_s + backward_s;
     if step_s <= 0.0 || macs == 0 {
         bail!(
             "could not time a step of {} on this machine",
             task.model.name()
         );
     }
-    // The compute model charges 2·MACs (forward) + 4·MACs (backward) per sample.
-    let flops = 6.0 * macs as f64 * per_sample * scenario.batch as f64 / step_s;
+    // The FLOP model charges 2·MACs (forward) + 4·MACs (backward) per sample; layers with
+    // given times use those instead, so the rate only matters for other models' layers.
+    let flops = 6.0 * macs as f64 * scenario.batch as f64 / step_s;
     println!(
-        "# measured on this machine (built-in backend, 1 thread): {} at batch {}, forward {:.3} ms, backward {:.3} ms",
+        "# measured on this machine (built-in backend, 1 thread, median of {MEASURE_STEPS} steps): {} at batch {}, forward {:.3} ms, backward {:.3} ms",
         task.model.name(),
         scenario.batch,
-        prof.forward_s * 1e3,
-        prof.backward_s * 1e3
+        forward_s * 1e3,
+        backward_s * 1e3
     );
-    println!("[clusters.devices.{name}]\nflops = {flops:.4e}\nlayer_overhead_s = 0.0");
+    println!(
+        "[devices.{name}]\nflops = {flops:.4e}\nlayer_overhead_s = 0.0\nbatch = {}\n[devices.{name}.layers]",
+        scenario.batch
+    );
+    for (layer, f, b) in &layers {
+        println!(
+            "{layer} = {{ forward_ms = {:.6}, backward_ms = {:.6} }}",
+            f * 1e3,
+            b * 1e3
+        );
+    }
     Ok(())
 }
 

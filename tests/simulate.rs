@@ -144,6 +144,16 @@ fn scenario_errors_name_the_key() {
             "wifi",
         ),
         (SMALL.replace("kind = \"edge\"", "kind = \"mesh\""), "mesh"),
+        (
+            SMALL.replace("\"jetson-orin\"", "\"timed\"")
+                + "[devices.timed.layers]\nfc9 = { forward_ms = 1, backward_ms = 2 }\n",
+            "devices.timed.layers.fc9: the model has no layer 'fc9' (its layers: flatten, fc1",
+        ),
+        (
+            SMALL.replace("\"jetson-orin\"", "\"timed\"")
+                + "[devices.timed.layers]\nfc1 = { forward_ms = 1 }\n",
+            "backward_ms",
+        ),
     ];
     for (i, (toml, needle)) in cases.iter().enumerate() {
         let p = dir.join(format!("bad{i}.toml"));
@@ -211,7 +221,10 @@ fn a_device_class_measured_here_drives_a_clusters_scenario() {
     assert!(o.status.success(), "{}", text(&o));
     let snippet = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(
-        snippet.contains("[clusters.devices.this-machine]") && snippet.contains("flops = "),
+        snippet.contains("[devices.this-machine]")
+            && snippet.contains("flops = ")
+            && snippet.contains("[devices.this-machine.layers]")
+            && snippet.contains("fc1 = { forward_ms = "),
         "{snippet}"
     );
     let measured = dir.join("measured.toml");
@@ -231,5 +244,113 @@ fn a_device_class_measured_here_drives_a_clusters_scenario() {
     assert_eq!(runs.len(), 2);
     for r in runs {
         assert!(r["final_accuracy"].as_f64().unwrap_or(0.0) > 0.8, "{r}");
+    }
+}
+
+#[test]
+fn per_layer_times_measured_here_drive_an_edge_scenario_and_replay() {
+    let dir = scratch("measure-edge");
+    let base = dir.join("base.toml");
+    std::fs::write(&base, SMALL).expect("write");
+    let o = dreamddp(&[
+        "simulate",
+        base.to_str().expect("utf-8"),
+        "--measure-device",
+        "here",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let snippet = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(snippet.contains("[devices.here.layers]"), "{snippet}");
+    // Only the per-layer table: the devices must run on the measured times alone.
+    let layers_only: String = snippet
+        .lines()
+        .filter(|l| !l.starts_with("flops") && !l.starts_with("layer_overhead_s"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let measured = dir.join("measured.toml");
+    std::fs::write(
+        &measured,
+        format!(
+            "{}\n{layers_only}",
+            SMALL.replace("\"jetson-orin\"", "\"here\"")
+        ),
+    )
+    .expect("write");
+    let out = dir.join("out");
+    let o = dreamddp(&[
+        "simulate",
+        "--quiet",
+        measured.to_str().expect("utf-8"),
+        "--strategies",
+        "elastic",
+        "--out",
+        out.to_str().expect("utf-8"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let summary = out.join("summary.json");
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&summary).expect("summary")).expect("json");
+    assert!(
+        v["scenario_toml"]
+            .as_str()
+            .expect("scenario text")
+            .contains("[devices.here.layers]"),
+        "the measured numbers travel in the summary"
+    );
+    let replay = dreamddp(&[
+        "simulate",
+        "--quiet",
+        "--replay",
+        summary.to_str().expect("utf-8"),
+        "--out",
+        dir.join("r").to_str().expect("utf-8"),
+    ]);
+    assert!(replay.status.success(), "{}", text(&replay));
+    assert!(text(&replay).contains("reproduced"), "{}", text(&replay));
+}
+
+#[test]
+fn gpt_tiny_runs_in_a_clusters_scenario_with_a_loss_target() {
+    if engine::data::locate::shared_tinyshakespeare_path().is_none() {
+        eprintln!("skipped: tinyshakespeare not found (set DREAMDDP_DATA_DIR)");
+        return;
+    }
+    let dir = scratch("gpt");
+    let scenario = dir.join("gpt.toml");
+    let toml = SMALL_CLUSTERS
+        .replace("model = \"mlp\"", "model = \"gpt-tiny\"")
+        .replace("dataset = \"digits\"", "dataset = \"tinyshakespeare\"")
+        .replace("batch = 16", "batch = 4")
+        .replace("max_steps = 120", "max_steps = 6")
+        .replace("eval_limit = 360", "eval_limit = 1")
+        .replace("eval_every_s = 0.5", "eval_every_s = 0.01")
+        .replace("target = 0.85", "target = 4.0")
+        .replace(
+            "workers = 2, device = \"this-machine\"",
+            "workers = 1, device = \"a100\"",
+        );
+    std::fs::write(&scenario, toml).expect("write");
+    let out = dir.join("out");
+    let o = dreamddp(&[
+        "simulate",
+        "--quiet",
+        scenario.to_str().expect("utf-8"),
+        "--out",
+        out.to_str().expect("utf-8"),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("target val loss <= 4"), "{}", text(&o));
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).expect("summary"))
+            .expect("json");
+    for r in v["strategies"].as_array().expect("strategies") {
+        assert!(
+            r["final_accuracy"].is_null(),
+            "a language model has no accuracy: {r}"
+        );
+        let loss = r["final_loss"].as_f64().expect("final_loss");
+        // A character model starts near ln(vocab) ≈ 4.2 nats and must move below it.
+        assert!(loss.is_finite() && loss < 4.0, "{r}");
+        assert!(r["time_to_target_s"].as_f64().is_some(), "{r}");
     }
 }

@@ -1,11 +1,16 @@
 //! Scenario files: the TOML schema shared by every kind of simulation, with errors that name
 //! the bad key or value. `kind = "clusters"` scenarios carry a `[clusters]` table (see
 //! [`crate::clusters`]); `kind = "edge"` scenarios an `[edge]` table (see [`crate::edge`]).
+//! Both kinds name device classes from one registry ([`DeviceRegistry`]): the built-in classes
+//! plus the scenario's `[devices.NAME]` tables (FLOP rate and/or per-layer times, see
+//! [`crate::compute`]).
 
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use thiserror::Error;
+
+use crate::compute::{ComputeError, Device, DeviceRegistry, DeviceSpec};
 
 /// Errors reading or validating a scenario.
 #[derive(Debug, Error)]
@@ -101,6 +106,10 @@ pub struct Scenario {
     pub clusters: Option<crate::clusters::ClustersSpec>,
     /// The edge table (kind = edge).
     pub edge: Option<crate::edge::EdgeSpec>,
+    /// Device classes besides the built-in ones (`[devices.NAME]`), usable by every kind.
+    /// After loading it also holds the classes of `[clusters.devices]`.
+    #[serde(default)]
+    pub devices: DeviceRegistry,
     /// Named link specs that the tables above refer to.
     #[serde(default)]
     pub links: std::collections::BTreeMap<String, crate::link::LinkSpec>,
@@ -146,6 +155,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../scenarios/mixed-cpu-gpu.toml"),
     ),
     ("edge-outage", include_str!("../scenarios/edge-outage.toml")),
+    (
+        "two-datacenters-gpt",
+        include_str!("../scenarios/two-datacenters-gpt.toml"),
+    ),
 ];
 
 impl Scenario {
@@ -156,8 +169,40 @@ impl Scenario {
             message: e.to_string(),
         })?;
         s.base_dir = base_dir.to_path_buf();
+        s.merge_device_tables(source_name)?;
         s.validate(source_name)?;
         Ok(s)
+    }
+
+    /// Resolves a device class by name from the scenario's registry; `key` is the referring
+    /// key, named in the error when the class is unknown.
+    pub fn device(&self, name: &str, key: &str) -> Result<Device, ComputeError> {
+        self.devices.resolve(name, self.batch, key)
+    }
+
+    /// Makes [`Scenario::devices`] the one registry: folds `[clusters.devices]` into it (a
+    /// name defined in both tables is an error), validates every class, and gives the clusters
+    /// table every class that has a FLOP rate, so its own lookup finds top-level classes too.
+    fn merge_device_tables(&mut self, src: &str) -> Result<(), ScenarioError> {
+        let invalid = |e: ComputeError| ScenarioError::Invalid {
+            source_name: src.to_string(),
+            key: e.key,
+            problem: e.problem,
+        };
+        if let Some(clusters) = &mut self.clusters {
+            for (name, class) in &clusters.devices {
+                self.devices
+                    .add("clusters.devices", name, DeviceSpec::from(class.clone()))
+                    .map_err(invalid)?;
+            }
+            self.devices.validate().map_err(invalid)?;
+            for (name, spec) in self.devices.custom() {
+                if let Some(rate) = spec.rate() {
+                    clusters.devices.insert(name.to_string(), rate);
+                }
+            }
+        }
+        self.devices.validate().map_err(invalid)
     }
 
     /// Loads a scenario by built-in name or file path.
@@ -239,4 +284,98 @@ pub fn traces_base_dir() -> PathBuf {
         .and_then(|d| d.parent().map(|p| p.join("traces")))
         .filter(|p| p.join("ATT-LTE-driving-2016.up").is_file())
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("traces"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEAD: &str = r#"
+name = "t"
+kind = "clusters"
+target = 0.9
+strategies = ["ssgd"]
+[links.wan]
+bandwidth = "1gbit"
+[clusters]
+inter_link = "wan"
+groups = [{ name = "dc", count = 2, workers = 1, device = "timed" }]
+"#;
+
+    fn parse(extra: &str) -> Result<Scenario, ScenarioError> {
+        Scenario::parse(&format!("{HEAD}{extra}"), "t", Path::new("."))
+    }
+
+    fn err(extra: &str) -> String {
+        parse(extra).expect_err("must be rejected").to_string()
+    }
+
+    #[test]
+    fn top_level_classes_reach_the_clusters_table_and_resolve() {
+        let s = parse("[devices.timed]\nflops = 3e9\n[devices.timed.layers]\nfc1 = { forward_ms = 1.5, backward_ms = 3 }\n[devices.layers-only.layers]\nfc1 = { forward_ms = 1, backward_ms = 2 }\n")
+            .expect("parses");
+        let clusters = s.clusters.as_ref().expect("clusters");
+        assert_eq!(clusters.devices["timed"].flops, 3e9);
+        assert!(
+            !clusters.devices.contains_key("layers-only"),
+            "a class without a rate has no FLOP form"
+        );
+        let d = s
+            .device("timed", "clusters.groups[0].device")
+            .expect("resolves");
+        assert_eq!(d.reference_batch, s.batch);
+        assert_eq!(d.layers["fc1"].backward_ms, 3.0);
+    }
+
+    #[test]
+    fn the_older_clusters_devices_table_joins_the_registry() {
+        let s = parse("[clusters.devices.timed]\nflops = 2e9\nlayer_overhead_s = 1e-5\n")
+            .expect("parses");
+        let d = s.device("timed", "k").expect("resolves");
+        assert_eq!(d.rate.expect("rate").layer_overhead_s, 1e-5);
+        let e = err("[clusters.devices.timed]\nflops = 2e9\n[devices.timed]\nflops = 1e9\n");
+        assert!(
+            e.contains(
+                "clusters.devices.timed: device class 'timed' is already defined as devices.timed"
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn every_shipped_scenario_parses_and_its_devices_resolve() {
+        for (name, _) in BUILTIN {
+            let (s, _) = Scenario::load(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(&s.name, name);
+            let devices: Vec<String> = match (&s.clusters, &s.edge) {
+                (Some(c), _) => c.groups.iter().map(|g| g.device.clone()).collect(),
+                (None, Some(e)) => vec![e.cloud.device.clone(), e.devices.device.clone()],
+                (None, None) => unreachable!("validate requires one table"),
+            };
+            for d in devices {
+                s.device(&d, "device")
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+            }
+        }
+    }
+
+    #[test]
+    fn bad_device_tables_name_the_key() {
+        let e = err("[devices.timed.layers]\nfc1 = { forward_ms = 1 }\n");
+        assert!(e.contains("backward_ms"), "{e}");
+        let e = err("[devices.timed.layers]\nfc1 = { forward_ms = 1, backward_ms = 2, bwd = 3 }\n");
+        assert!(e.contains("unknown field `bwd`"), "{e}");
+        let e = err("[devices.timed]\nflop = 1e9\n");
+        assert!(e.contains("unknown field `flop`"), "{e}");
+        let e = err("[devices.timed.layers]\nfc1 = { forward_ms = -1, backward_ms = 2 }\n");
+        assert!(
+            e.contains("devices.timed.layers.fc1.forward_ms: must be a non-negative"),
+            "{e}"
+        );
+        let e = err("[devices.timed]\nflops = 0\n");
+        assert!(
+            e.contains("devices.timed.flops: must be a positive number"),
+            "{e}"
+        );
+    }
 }

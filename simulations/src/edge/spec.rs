@@ -1,12 +1,14 @@
 //! The `[edge]` table of a scenario ([`EdgeSpec`]) and its validation against the rest of the
-//! scenario: link names, device classes, churn entries. Every error names the dotted key.
+//! scenario: link names, device classes (resolved from the scenario's one device registry, so
+//! built-in, custom and measured classes all work), churn entries. Every error names the dotted
+//! key.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::compute::DeviceClass;
+use crate::compute::Device;
 use crate::link::LinkSpec;
 use crate::scenario::Scenario;
 
@@ -93,7 +95,7 @@ pub struct CloudSpec {
     /// Number of cloud nodes (may be 0). Named `cloud-0`, `cloud-1`, ...
     #[serde(default = "one_usize")]
     pub count: usize,
-    /// Device class of each GPU (see [`DeviceClass::builtin`]); default `a100`.
+    /// Device class of each GPU: built-in or a scenario's `[devices.NAME]`; default `a100`.
     #[serde(default = "default_cloud_device")]
     pub device: String,
     /// GPUs per node: the per-step batch multiplier (default 1).
@@ -167,7 +169,7 @@ fn default_blocking_round_timeout_s() -> f64 {
 pub struct DevicesSpec {
     /// Number of devices. Named `edge-0`, `edge-1`, ...
     pub count: usize,
-    /// Device class (default `jetson-orin`).
+    /// Device class: built-in or a scenario's `[devices.NAME]`; default `jetson-orin`.
     #[serde(default = "default_edge_device")]
     pub device: String,
     /// Link references, assigned to devices in turn (`edge-i` gets `links[i % len]`).
@@ -323,18 +325,6 @@ pub fn resolve_link(
     }
 }
 
-fn device(name: &str, key: &str) -> Result<DeviceClass, EdgeSpecError> {
-    DeviceClass::builtin(name).ok_or_else(|| {
-        spec_error(
-            key,
-            format!(
-                "unknown device class '{name}' (known: {})",
-                DeviceClass::BUILTIN.join(", ")
-            ),
-        )
-    })
-}
-
 fn positive_finite(value: f64, key: &str) -> Result<(), EdgeSpecError> {
     if value.is_finite() && value > 0.0 {
         Ok(())
@@ -350,9 +340,9 @@ fn positive_finite(value: f64, key: &str) -> Result<(), EdgeSpecError> {
 #[derive(Clone, Debug)]
 pub struct ResolvedEdge {
     /// Cloud device class.
-    pub cloud_device: DeviceClass,
+    pub cloud_device: Device,
     /// Edge device class.
-    pub edge_device: DeviceClass,
+    pub edge_device: Device,
     /// Access link of each cloud node.
     pub cloud_link: Option<AccessLink>,
     /// Access link of each aggregator.
@@ -372,6 +362,11 @@ impl EdgeSpec {
 
     /// Checks every value and resolves device classes and links against `scenario`.
     pub fn resolve(&self, scenario: &Scenario) -> Result<ResolvedEdge, EdgeSpecError> {
+        let device = |name: &str, key: &str| {
+            scenario
+                .device(name, key)
+                .map_err(|e| spec_error(e.key, e.problem))
+        };
         let cloud_device = device(&self.cloud.device, "edge.cloud.device")?;
         let edge_device = device(&self.devices.device, "edge.devices.device")?;
         if self.cloud.count + self.devices.count == 0 {
@@ -507,5 +502,127 @@ impl EdgeSpec {
             aggregator_link,
             edge_links,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use gpu_worker::task::{load_data, ModelKind, Task};
+
+    use crate::compute::{layer_costs, DeviceClass};
+    use crate::edge::run_edge;
+    use crate::scenario::Scenario;
+
+    /// One cloud node and two edge devices on `device`, with `devices` appended.
+    fn scenario(device: &str, devices: &str) -> Scenario {
+        let text = format!(
+            r#"
+name = "custom"
+seed = 9
+kind = "edge"
+model = "mlp"
+dataset = "digits"
+batch = 16
+max_steps = 30
+max_virtual_s = 60
+eval_every_s = 2
+eval_limit = 200
+target = 0.9
+strategies = ["elastic"]
+[edge.cloud]
+count = 1
+link = "dc"
+[edge.aggregators]
+link = "dc"
+[edge.devices]
+count = 2
+device = "{device}"
+links = ["dc"]
+jitter = 0.1
+[links.dc]
+bandwidth = "100mbit"
+latency_ms = 5
+{devices}
+"#
+        );
+        Scenario::parse(&text, "custom", Path::new(".")).expect("parses")
+    }
+
+    fn digits() -> Task {
+        Task::new(
+            ModelKind::Mlp,
+            "digits",
+            load_data("digits", None).expect("embedded digits"),
+        )
+        .expect("task")
+    }
+
+    #[test]
+    fn custom_and_measured_classes_work_in_an_edge_scenario() {
+        let task = digits();
+        let run = |s: &Scenario| run_edge(s, &task, "elastic", &mut |_| {}).expect("runs");
+        let builtin = run(&scenario("jetson-orin", ""));
+        // A scenario class with the built-in's numbers: the very same run.
+        let orin = DeviceClass::builtin("jetson-orin").expect("orin");
+        let same = scenario(
+            "my-orin",
+            &format!(
+                "[devices.my-orin]\nflops = {:e}\nlayer_overhead_s = {:e}\n",
+                orin.flops, orin.layer_overhead_s
+            ),
+        );
+        assert_eq!(run(&same), builtin);
+        // A slower scenario class: the devices' steps take longer.
+        let slow = run(&scenario("slow", "[devices.slow]\nflops = 1e9\n"));
+        assert!(
+            slow.mean_step_s > builtin.mean_step_s,
+            "{} vs {}",
+            slow.mean_step_s,
+            builtin.mean_step_s
+        );
+        // Per-layer times given for every layer (as --measure-device writes them).
+        let model = task.build_model(9);
+        let layers: String = layer_costs(&model, &task)
+            .iter()
+            .map(|l| format!("{} = {{ forward_ms = 5.0, backward_ms = 10.0 }}\n", l.name))
+            .collect();
+        let timed = scenario("timed", &format!("[devices.timed.layers]\n{layers}"));
+        let resolved = timed
+            .edge
+            .as_ref()
+            .expect("edge")
+            .resolve(&timed)
+            .expect("resolves");
+        assert_eq!(resolved.edge_device.name, "timed");
+        let t = run(&timed);
+        assert!(t.mean_step_s > slow.mean_step_s, "{}", t.mean_step_s);
+        assert_eq!(t, run(&timed), "deterministic");
+    }
+
+    #[test]
+    fn an_unknown_edge_device_lists_the_scenario_classes() {
+        let s = scenario("tpu", "[devices.mine]\nflops = 1e9\n");
+        let e = s
+            .edge
+            .as_ref()
+            .expect("edge")
+            .resolve(&s)
+            .expect_err("unknown")
+            .to_string();
+        assert!(
+            e.starts_with("edge.devices.device: unknown device class 'tpu'") && e.contains("mine"),
+            "{e}"
+        );
+        let s = scenario(
+            "bad",
+            "[devices.bad.layers]\nfc9 = { forward_ms = 1, backward_ms = 1 }\n",
+        );
+        let e = run_edge(&s, &digits(), "elastic", &mut |_| {}).expect_err("fc9 is no layer");
+        assert!(
+            e.contains("devices.bad.layers.fc9") && e.contains("(its layers: flatten, fc1, relu1,"),
+            "{e}"
+        );
     }
 }

@@ -29,7 +29,7 @@ use protocol::{encode_frame, payload_from_f32, LayerMeta, Message};
 
 use super::ledger::{DeltaKey, Ledger, LedgerCheck};
 use super::spec::{AccessLink, ChurnAction, EdgeSpec, ResolvedEdge};
-use crate::compute::{DeviceClass, StepTimes, Straggler};
+use crate::compute::{layer_costs, Device, Straggler};
 use crate::events::EventQueue;
 use crate::link::{Bandwidth, Link, LinkSpec};
 use crate::replica::Replica;
@@ -496,15 +496,11 @@ impl<'a> World<'a> {
             .map(|l| l.version_frame_bytes)
             .max()
             .unwrap_or(0);
-        let macs: Vec<u64> = eval_model
-            .layers
-            .iter()
-            .map(|l| l.layer.forward_macs_per_sample())
-            .collect();
+        let costs = layer_costs(&eval_model, task);
         for (i, name) in names.iter().enumerate() {
             let is_cloud = i < spec.cloud.count;
             let (device, access, class, batch, straggler): (
-                &DeviceClass,
+                &Device,
                 &AccessLink,
                 LinkClass,
                 usize,
@@ -535,7 +531,9 @@ impl<'a> World<'a> {
                     },
                 )
             };
-            let times = StepTimes::from_macs(device, &macs, batch);
+            let times = device
+                .step_times(&costs, batch)
+                .map_err(|e| e.to_string())?;
             let (up, up_bps) = factory.build(&access.up, &format!("{name}.up"))?;
             let (down, down_bps) = factory.build(&access.down, &format!("{name}.down"))?;
             // Deadline: slack + nominal time to upload one delta of every layer over the
