@@ -2,10 +2,14 @@
 //! synchronize through, a link shaper that emulates a slower interconnect, and the
 //! training loop that executes a sync strategy.
 
+pub mod cluster_model;
 pub mod collective;
+pub mod layout;
 pub mod link;
+pub mod node;
 pub mod planning;
 pub mod profile;
+pub mod replica;
 pub mod task;
 pub mod thread_collective;
 pub mod trainer;

@@ -1,0 +1,9 @@
+//! The aggregator process (`dreamddp aggregator`): configuration, the durable shard file,
+//! and the tokio + QUIC shell around [`crate::AggregatorState`].
+
+pub mod config;
+pub mod run;
+pub mod shard_file;
+
+pub use config::{AggregatorConfigError, AggregatorRunConfig};
+pub use run::{run_aggregator, AggregatorRunError, AggregatorSummary};

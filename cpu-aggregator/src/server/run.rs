@@ -1,0 +1,702 @@
+//! The aggregator process: a tokio + QUIC shell around the sans-IO [`AggregatorState`].
+//!
+//! One task owns the state machine. Connection tasks only read frames and forward them. After
+//! each batch of inputs the shell persists the shard file (snapshot + applied ledger) **before**
+//! it transmits the acks of that batch (group commit), so an acknowledged delta survives
+//! `kill -9`, and a restarted aggregator resumes at the persisted versions (never going
+//! backwards). The coordinator's layer map says which layers this aggregator owns.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpu_worker::layout::{sync_layout, SyncLayerDef};
+use protocol::{
+    encode_frame, Capabilities, ErrorCode, ErrorReply, Heartbeat, Join, Leave, Message, NodeStats,
+    Role,
+};
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+use transport::{PeerConnection, QuicNode, TlsIdentity, TransportConfig};
+
+use super::config::AggregatorRunConfig;
+use super::shard_file::{self, AppliedEntry, ShardFileError};
+use crate::config::OwnedLayer;
+use crate::state::{AggEvent, AggregatorCounters, AggregatorState, Output};
+
+/// Connection id of the coordinator link.
+const COORDINATOR: u64 = 0;
+/// Staleness histogram buckets (`τ = 0 .. 15`, then `≥ 16`).
+const STALENESS_BUCKETS: usize = 17;
+
+/// Why an aggregator process stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum AggregatorRunError {
+    /// Config or model/data.
+    #[error("{0}")]
+    Setup(String),
+    /// The shard file.
+    #[error(transparent)]
+    Shard(#[from] ShardFileError),
+    /// QUIC endpoint.
+    #[error("transport: {0}")]
+    Transport(#[from] transport::TransportError),
+    /// The coordinator refused us.
+    #[error("the coordinator refused this aggregator: {0}")]
+    Refused(String),
+}
+
+/// What an aggregator did (also written to `<data_dir>/stats.json` at exit).
+#[derive(Clone, Debug, Serialize)]
+pub struct AggregatorSummary {
+    /// Node name.
+    pub name: String,
+    /// Node id.
+    pub node_id: u64,
+    /// Whether it resumed from a shard file.
+    pub resumed: bool,
+    /// Counters.
+    pub deltas_received: u64,
+    /// Deltas folded in.
+    pub deltas_applied: u64,
+    /// Duplicates rejected.
+    pub duplicates_rejected: u64,
+    /// Stale deltas refused.
+    pub dropped_stale: u64,
+    /// Bad inputs.
+    pub bad_inputs: u64,
+    /// Payload bytes in.
+    pub bytes_in: u64,
+    /// Payload bytes out.
+    pub bytes_out: u64,
+    /// Connections dropped for sending bad frames.
+    pub bad_peers_disconnected: u64,
+    /// `(layer_id, version)` of every owned layer.
+    pub layer_versions: Vec<(u32, u64)>,
+    /// Entries in the applied ledger.
+    pub ledger_len: usize,
+}
+
+enum Inbound {
+    Message { conn: u64, peer: String, msg: Message },
+    Connected { conn: u64, link: PeerConnection },
+    Closed { conn: u64 },
+    BadPeer,
+}
+
+struct Shell {
+    name: String,
+    id: u64,
+    state: AggregatorState,
+    layout: Vec<SyncLayerDef>,
+    initial: HashMap<u32, Vec<f32>>,
+    shard_path: PathBuf,
+    ledger: Vec<AppliedEntry>,
+    conns: HashMap<u64, PeerConnection>,
+    conn_node: HashMap<u64, u64>,
+    node_conn: HashMap<u64, u64>,
+    subscribers: HashSet<u64>,
+    clock: Instant,
+    staleness: Vec<u64>,
+    map_epoch: u64,
+    bad_peers: u64,
+    resumed: bool,
+    send_timeout: Duration,
+}
+
+/// Runs an aggregator until `shutdown` is cancelled.
+pub async fn run_aggregator(
+    config: AggregatorRunConfig,
+    shutdown: CancellationToken,
+) -> Result<AggregatorSummary, AggregatorRunError> {
+    let state_config = config
+        .state_config()
+        .map_err(|e| AggregatorRunError::Setup(e.to_string()))?;
+    let model_section = config.model.clone();
+    let task = tokio::task::spawn_blocking(move || model_section.load_task())
+        .await
+        .map_err(|e| AggregatorRunError::Setup(e.to_string()))?
+        .map_err(AggregatorRunError::Setup)?;
+    let model = task.build_model(config.model.seed);
+    let layout = sync_layout(&model);
+    let initial = layout
+        .iter()
+        .map(|l| (l.layer_id, model.layer_values(l.model_index)))
+        .collect();
+    std::fs::create_dir_all(&config.node.data_dir).map_err(|source| ShardFileError::Io {
+        path: config.node.data_dir.clone(),
+        source,
+    })?;
+    let shard_path = config.node.data_dir.join("shard.bin");
+    let (state, ledger, resumed) = match shard_file::read(&shard_path)? {
+        Some((snapshot, ledger)) => {
+            let state = AggregatorState::restore(&snapshot, state_config)
+                .map_err(|e| AggregatorRunError::Setup(format!("{}: {e}", shard_path.display())))?;
+            (state, ledger, true)
+        }
+        None => (
+            AggregatorState::new(config.node.id, Vec::new(), state_config)
+                .map_err(|e| AggregatorRunError::Setup(e.to_string()))?,
+            Vec::new(),
+            false,
+        ),
+    };
+    let versions: Vec<String> = state
+        .layer_ids()
+        .filter_map(|id| state.layer(id).map(|l| format!("{}@{}", l.name, l.version)))
+        .collect();
+    info!(
+        "[START] aggregator={} id={} {} listen={}",
+        config.node.name,
+        config.node.id,
+        if resumed {
+            format!("resumed from {} ({})", shard_path.display(), versions.join(" "))
+        } else {
+            "fresh".to_string()
+        },
+        config.node.listen
+    );
+
+    let identity = TlsIdentity::in_dir(&config.node.certs_dir, &config.node.name);
+    let quic = Arc::new(QuicNode::bind(
+        config.node.listen,
+        &identity,
+        &TransportConfig::default(),
+    )?);
+    let listen = quic.local_addr()?;
+    let (tx, mut rx) = mpsc::unbounded_channel::<Inbound>();
+    tokio::spawn(accept_loop(Arc::clone(&quic), tx.clone(), shutdown.clone()));
+    tokio::spawn(coordinator_link(
+        Arc::clone(&quic),
+        config.clone(),
+        listen.to_string(),
+        tx.clone(),
+        shutdown.clone(),
+    ));
+
+    let mut shell = Shell {
+        name: config.node.name.clone(),
+        id: config.node.id,
+        state,
+        layout,
+        initial,
+        shard_path,
+        ledger,
+        conns: HashMap::new(),
+        conn_node: HashMap::new(),
+        node_conn: HashMap::new(),
+        subscribers: HashSet::new(),
+        clock: Instant::now(),
+        staleness: vec![0; STALENESS_BUCKETS],
+        map_epoch: 0,
+        bad_peers: 0,
+        resumed,
+        send_timeout: Duration::from_secs(10),
+    };
+    let mut stats_tick = tokio::time::interval(Duration::from_millis(500));
+    let mut fatal = None;
+    loop {
+        let timeout = shell
+            .state
+            .poll_timeout()
+            .map(|t| shell.clock + Duration::from_nanos(t));
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            item = rx.recv() => {
+                let Some(item) = item else { break };
+                if let Err(e) = shell.handle(item) {
+                    fatal = Some(e);
+                    break;
+                }
+                // Group commit: take everything already queued before persisting once.
+                let mut n = 0;
+                while n < 256 {
+                    match rx.try_recv() {
+                        Ok(item) => {
+                            if let Err(e) = shell.handle(item) {
+                                fatal = Some(e);
+                                break;
+                            }
+                        }
+                        Err(_) => break,
+                    }
+                    n += 1;
+                }
+                if fatal.is_some() {
+                    break;
+                }
+                shell.flush()?;
+            }
+            () = sleep_until_opt(timeout) => {
+                let now = shell.now();
+                shell.state.handle_timeout(now);
+                shell.flush()?;
+            }
+            _ = stats_tick.tick() => shell.report_stats(),
+        }
+    }
+    shell.flush()?;
+    shell.persist()?;
+    if let Some(c) = shell.conns.get(&COORDINATOR) {
+        let leave = Message::Leave(Leave {
+            node_id: shell.id,
+            reason: "shutting down".into(),
+        });
+        let _ = c.send_with_timeout(&leave, Duration::from_millis(500)).await;
+    }
+    quic.close();
+    let summary = shell.summary();
+    let path = config.node.data_dir.join("stats.json");
+    let _ = std::fs::write(&path, serde_json::to_string_pretty(&summary).unwrap_or_default());
+    if let Some(e) = fatal {
+        return Err(e);
+    }
+    info!("[DONE] aggregator={} applied={} duplicates={}", summary.name, summary.deltas_applied, summary.duplicates_rejected);
+    Ok(summary)
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn accept_loop(quic: Arc<QuicNode>, tx: mpsc::UnboundedSender<Inbound>, shutdown: CancellationToken) {
+    let mut next_conn = COORDINATOR + 1;
+    loop {
+        let incoming = tokio::select! {
+            i = quic.accept() => i,
+            () = shutdown.cancelled() => return,
+        };
+        match incoming {
+            None => return,
+            Some(Err(e)) => debug!("handshake failed: {e}"),
+            Some(Ok(link)) => {
+                let conn = next_conn;
+                next_conn += 1;
+                debug!("connection {conn} from {} ({})", link.peer_name(), link.remote_addr());
+                let _ = tx.send(Inbound::Connected {
+                    conn,
+                    link: link.clone(),
+                });
+                tokio::spawn(read_loop(conn, link, tx.clone()));
+            }
+        }
+    }
+}
+
+/// Forwards every message of one connection; a peer sending bad frames is disconnected.
+async fn read_loop(conn: u64, link: PeerConnection, tx: mpsc::UnboundedSender<Inbound>) {
+    let peer = link.peer_name().to_string();
+    loop {
+        match link.recv().await {
+            Ok(msg) => {
+                if tx
+                    .send(Inbound::Message {
+                        conn,
+                        peer: peer.clone(),
+                        msg,
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Err(e) if e.is_peer_fault() => {
+                error!("[ERROR] peer={peer} addr={} sent a bad frame: {e}; disconnected", link.remote_addr());
+                link.close("bad frame");
+                let _ = tx.send(Inbound::BadPeer);
+                let _ = tx.send(Inbound::Closed { conn });
+                return;
+            }
+            Err(e) => {
+                debug!("connection {conn} ({peer}) closed: {e}");
+                let _ = tx.send(Inbound::Closed { conn });
+                return;
+            }
+        }
+    }
+}
+
+/// Joins the coordinator as an aggregator, heartbeats, and re-joins after a lost link.
+async fn coordinator_link(
+    quic: Arc<QuicNode>,
+    config: AggregatorRunConfig,
+    listen: String,
+    tx: mpsc::UnboundedSender<Inbound>,
+    shutdown: CancellationToken,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        if shutdown.is_cancelled() {
+            return;
+        }
+        let attempt = tokio::select! {
+            r = quic.connect(config.node.coordinator, &config.node.coordinator_name) => r,
+            () = shutdown.cancelled() => return,
+        };
+        match attempt {
+            Ok(link) => {
+                backoff = Duration::from_millis(100);
+                let join = Message::Join(Join {
+                    node_id: config.node.id,
+                    role: Role::Aggregator,
+                    credentials: config.node.credentials.clone(),
+                    capabilities: Capabilities::default(),
+                    listen_addr: listen.clone(),
+                });
+                if let Err(e) = link.send_with_timeout(&join, Duration::from_secs(5)).await {
+                    warn!("[WARN] join message to the coordinator failed: {e}");
+                } else {
+                    let _ = tx.send(Inbound::Connected {
+                        conn: COORDINATOR,
+                        link: link.clone(),
+                    });
+                    let beat = {
+                        let link = link.clone();
+                        let id = config.node.id;
+                        tokio::spawn(async move {
+                            let mut tick = tokio::time::interval(Duration::from_millis(500));
+                            loop {
+                                tick.tick().await;
+                                let hb = Message::Heartbeat(Heartbeat {
+                                    node_id: id,
+                                    lease_ms: 0,
+                                    now_ms: 0,
+                                });
+                                if link.send_with_timeout(&hb, Duration::from_secs(2)).await.is_err() {
+                                    return;
+                                }
+                            }
+                        })
+                    };
+                    loop {
+                        let next = tokio::select! {
+                            r = link.recv() => r,
+                            () = shutdown.cancelled() => { beat.abort(); return; }
+                        };
+                        match next {
+                            Ok(msg) => {
+                                let _ = tx.send(Inbound::Message {
+                                    conn: COORDINATOR,
+                                    peer: link.peer_name().to_string(),
+                                    msg,
+                                });
+                            }
+                            Err(e) => {
+                                warn!("[WARN] coordinator link lost: {e}; re-joining");
+                                break;
+                            }
+                        }
+                    }
+                    beat.abort();
+                    let _ = tx.send(Inbound::Closed { conn: COORDINATOR });
+                }
+            }
+            Err(e) => debug!("connecting to the coordinator: {e}"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            () = shutdown.cancelled() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+impl Shell {
+    fn now(&self) -> u64 {
+        self.clock.elapsed().as_nanos() as u64
+    }
+
+    fn handle(&mut self, item: Inbound) -> Result<(), AggregatorRunError> {
+        match item {
+            Inbound::Connected { conn, link } => {
+                self.conns.insert(conn, link);
+            }
+            Inbound::Closed { conn } => {
+                self.conns.remove(&conn);
+                self.subscribers.remove(&conn);
+                if let Some(node) = self.conn_node.remove(&conn) {
+                    if self.node_conn.get(&node) == Some(&conn) {
+                        self.node_conn.remove(&node);
+                    }
+                }
+            }
+            Inbound::BadPeer => self.bad_peers += 1,
+            Inbound::Message { conn, peer, msg } if conn == COORDINATOR => {
+                self.handle_coordinator(msg)?;
+                let _ = peer;
+            }
+            Inbound::Message { conn, peer, msg } => self.handle_node(conn, &peer, msg),
+        }
+        Ok(())
+    }
+
+    fn handle_coordinator(&mut self, msg: Message) -> Result<(), AggregatorRunError> {
+        match msg {
+            Message::JoinAck(ack) => {
+                info!("[JOIN] aggregator={} admitted (map epoch {})", self.name, ack.map_epoch);
+                self.apply_map(ack.map_epoch, &ack.layer_owners);
+            }
+            Message::LayerMap(map) => self.apply_map(map.epoch, &map.owners),
+            Message::LayerVersion(v) => {
+                // A handover: the newest version the coordinator saw of a layer we now own.
+                match v.decode_values() {
+                    Ok(values) => {
+                        let layer = OwnedLayer {
+                            layer_id: v.layer_id,
+                            name: v.layer_name.clone(),
+                            shape: v.shape.clone(),
+                            values,
+                        };
+                        match self.state.adopt_layer(layer, v.version) {
+                            Ok(true) => info!("[MAP] layer={} adopted at version {}", v.layer_name, v.version),
+                            Ok(false) => {}
+                            Err(e) => error!("[ERROR] handover of layer {} refused: {e}", v.layer_name),
+                        }
+                    }
+                    Err(e) => error!("[ERROR] handover of layer {} does not decode: {e}", v.layer_name),
+                }
+            }
+            Message::Error(e) if e.code == ErrorCode::Unauthorized => {
+                return Err(AggregatorRunError::Refused(e.text));
+            }
+            Message::Error(e) => error!("[ERROR] coordinator replied {:?}: {}", e.code, e.text),
+            Message::Heartbeat(_) => {}
+            other => debug!("ignoring {} from the coordinator", other.kind()),
+        }
+        Ok(())
+    }
+
+    fn apply_map(&mut self, epoch: u64, owners: &[(u32, u64)]) {
+        if epoch < self.map_epoch {
+            return;
+        }
+        self.map_epoch = epoch;
+        let mine: HashSet<u32> = owners
+            .iter()
+            .filter(|(_, owner)| *owner == self.id)
+            .map(|(layer, _)| *layer)
+            .collect();
+        let owned: Vec<u32> = self.state.layer_ids().collect();
+        for layer_id in owned {
+            if !mine.contains(&layer_id) && self.state.release_layer(layer_id) {
+                info!("[MAP] layer {layer_id} moved away (epoch {epoch})");
+            }
+        }
+        for def in &self.layout {
+            if mine.contains(&def.layer_id) && self.state.layer(def.layer_id).is_none() {
+                let layer = OwnedLayer {
+                    layer_id: def.layer_id,
+                    name: def.name.clone(),
+                    shape: vec![def.len as u32],
+                    values: self.initial[&def.layer_id].clone(),
+                };
+                if let Err(e) = self.state.adopt_layer(layer, 0) {
+                    error!("[ERROR] cannot own layer {}: {e}", def.name);
+                }
+            }
+        }
+        let names: Vec<&str> = self
+            .state
+            .layer_ids()
+            .filter_map(|id| self.layout.iter().find(|d| d.layer_id == id).map(|d| d.name.as_str()))
+            .collect();
+        info!("[MAP] epoch={epoch} aggregator={} owns [{}]", self.name, names.join(", "));
+    }
+
+    fn handle_node(&mut self, conn: u64, peer: &str, msg: Message) {
+        let claimed = match &msg {
+            Message::Subscribe(s) => Some(s.node_id),
+            Message::LayerDelta(p) => Some(p.node_id),
+            _ => None,
+        };
+        let node = match (claimed, self.conn_node.get(&conn).copied()) {
+            (Some(c), Some(bound)) if c != bound => {
+                error!("[ERROR] peer={peer} claims node {c} on a connection of node {bound}; refused");
+                self.reply_error(conn, ErrorCode::BadRequest, format!("this connection belongs to node {bound}, not {c}"));
+                return;
+            }
+            (Some(c), _) => {
+                self.conn_node.insert(conn, c);
+                self.node_conn.insert(c, conn);
+                c
+            }
+            (None, Some(bound)) => bound,
+            (None, None) => {
+                self.reply_error(conn, ErrorCode::BadRequest, format!("send Subscribe first (got {})", msg.kind()));
+                return;
+            }
+        };
+        if matches!(msg, Message::Subscribe(_)) {
+            self.subscribers.insert(conn);
+        }
+        let now = self.now();
+        self.state.handle_message(now, node, msg);
+    }
+
+    fn reply_error(&self, conn: u64, code: ErrorCode, text: String) {
+        if let Some(link) = self.conns.get(&conn).cloned() {
+            let msg = Message::Error(ErrorReply { code, text });
+            let timeout = self.send_timeout;
+            tokio::spawn(async move {
+                let _ = link.send_with_timeout(&msg, timeout).await;
+            });
+        }
+    }
+
+    /// Drains the state machine's outputs: persists first if anything was applied, then
+    /// transmits.
+    fn flush(&mut self) -> Result<(), AggregatorRunError> {
+        let mut outputs = Vec::new();
+        while let Some(o) = self.state.poll_output() {
+            outputs.push(o);
+        }
+        if outputs.is_empty() {
+            return Ok(());
+        }
+        let mut applied_any = false;
+        for o in &outputs {
+            match o {
+                Output::Event(AggEvent::Applied {
+                    layer_id,
+                    version,
+                    n_deltas,
+                    staleness,
+                }) => {
+                    applied_any = true;
+                    for &tau in staleness {
+                        let b = (tau as usize).min(STALENESS_BUCKETS - 1);
+                        self.staleness[b] += 1;
+                    }
+                    let name = self
+                        .layout
+                        .iter()
+                        .find(|d| d.layer_id == *layer_id)
+                        .map_or("?", |d| d.name.as_str());
+                    debug!("[APPLY] layer={name} version={version} deltas={n_deltas} staleness={staleness:?}");
+                }
+                Output::Send {
+                    msg: Message::DeltaAck(ack),
+                    ..
+                } if ack.applied => {
+                    self.ledger.push(AppliedEntry {
+                        node: ack.node_id,
+                        layer: ack.layer_id,
+                        seq: ack.seq,
+                    });
+                }
+                Output::Event(AggEvent::DuplicateRejected { from, layer_id, seq }) => {
+                    info!("[DUP] node={from} layer={layer_id} seq={seq} already applied; acked again");
+                }
+                Output::Event(AggEvent::BadInput { from, reason }) => {
+                    error!("[ERROR] node={from} bad input: {reason}");
+                }
+                Output::Event(AggEvent::DroppedStale { from, layer_id, seq, reason }) => {
+                    warn!("[WARN] node={from} layer={layer_id} seq={seq} refused ({reason:?}); sender told to re-sync");
+                }
+                _ => {}
+            }
+        }
+        if applied_any {
+            tokio::task::block_in_place(|| self.persist())?;
+        }
+        for o in outputs {
+            match o {
+                Output::Send { to, msg } => {
+                    let Some(link) = self.node_conn.get(&to).and_then(|c| self.conns.get(c)).cloned() else {
+                        debug!("no connection to node {to}; {} dropped", msg.kind());
+                        continue;
+                    };
+                    let timeout = self.send_timeout;
+                    tokio::spawn(async move {
+                        let _ = link.send_with_timeout(&msg, timeout).await;
+                    });
+                }
+                Output::Broadcast { msg } => {
+                    let frame = match encode_frame(&msg) {
+                        Ok(f) => Arc::new(f),
+                        Err(e) => {
+                            error!("[ERROR] encoding a broadcast failed: {e}");
+                            continue;
+                        }
+                    };
+                    for conn in &self.subscribers {
+                        if let Some(link) = self.conns.get(conn).cloned() {
+                            let frame = Arc::clone(&frame);
+                            let timeout = self.send_timeout;
+                            tokio::spawn(async move {
+                                let _ = tokio::time::timeout(timeout, link.send_frame(&frame)).await;
+                            });
+                        }
+                    }
+                }
+                Output::Event(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn persist(&self) -> Result<(), AggregatorRunError> {
+        let bytes = shard_file::encode(&self.state.snapshot(), &self.ledger);
+        shard_file::write_atomic(&self.shard_path, &bytes)?;
+        Ok(())
+    }
+
+    fn report_stats(&self) {
+        let Some(link) = self.conns.get(&COORDINATOR).cloned() else {
+            return;
+        };
+        let c: AggregatorCounters = self.state.counters();
+        let stats = NodeStats {
+            node_id: self.id,
+            role: Role::Aggregator,
+            step: 0,
+            bytes_sent: c.bytes_out,
+            bytes_received: c.bytes_in,
+            weak_sync_events: 0,
+            cached_pending: 0,
+            deltas_applied: c.deltas_applied,
+            duplicates_rejected: c.duplicates_rejected,
+            dropped_stale: c.dropped_stale,
+            layer_versions: self.layer_versions(),
+            staleness_histogram: self.staleness.clone(),
+            accuracy: None,
+        };
+        tokio::spawn(async move {
+            let _ = link
+                .send_with_timeout(&Message::Stats(stats), Duration::from_secs(2))
+                .await;
+        });
+    }
+
+    fn layer_versions(&self) -> Vec<(u32, u64)> {
+        self.state
+            .layer_ids()
+            .filter_map(|id| self.state.layer(id).map(|l| (id, l.version)))
+            .collect()
+    }
+
+    fn summary(&self) -> AggregatorSummary {
+        let c = self.state.counters();
+        AggregatorSummary {
+            name: self.name.clone(),
+            node_id: self.id,
+            resumed: self.resumed,
+            deltas_received: c.deltas_received,
+            deltas_applied: c.deltas_applied,
+            duplicates_rejected: c.duplicates_rejected,
+            dropped_stale: c.dropped_stale,
+            bad_inputs: c.bad_inputs,
+            bytes_in: c.bytes_in,
+            bytes_out: c.bytes_out,
+            bad_peers_disconnected: self.bad_peers,
+            layer_versions: self.layer_versions(),
+            ledger_len: self.ledger.len(),
+        }
+    }
+}

@@ -1,0 +1,411 @@
+//! The synchronous half of a training node's cluster runtime: drives the sans-IO
+//! [`SyncClient`] with wall-clock `now`, executes its outputs (messages to the network task,
+//! durable [`DurableCache`] writes before they count, new global versions written into the
+//! model) and logs in operators' language. It runs on the node leader's training thread as
+//! its [`LeaderHook`]; the network lives in [`super::net`] on tokio and talks to it through
+//! channels only.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Instant;
+
+use engine::model::Model;
+use gpu_worker::layout::SyncLayerDef;
+use gpu_worker::node::LeaderHook;
+use protocol::{Message, NodeStats, Role};
+use tracing::{debug, error, info, warn};
+
+use crate::cache::CacheEntry;
+use crate::config::NodeId;
+use crate::durable_cache::DurableCache;
+use crate::state::{ClientEvent, Output, SyncClient};
+
+/// Where the driver sends messages (the network task's command channel).
+pub trait Outbox: Send {
+    /// Queue `msg` for aggregator `to`. Never blocks; a message for an unreachable
+    /// aggregator is dropped (the client's deadlines handle the rest).
+    fn to_aggregator(&self, to: NodeId, msg: Message);
+    /// Queue `msg` for the coordinator.
+    fn to_coordinator(&self, msg: Message);
+}
+
+/// What the network task reports to the driver.
+#[derive(Debug)]
+pub enum NetEvent {
+    /// A message from an aggregator or the coordinator.
+    Message(Message),
+    /// The connection to this aggregator is (again) up: retransmit the backlog now.
+    AggregatorUp(NodeId),
+    /// The network task stopped for good (e.g. the coordinator refused us); why.
+    Fatal(String),
+}
+
+/// Counters of a node's cluster runtime (reported in [`NodeStats`] and the stats file).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct DriverCounters {
+    /// Steps done.
+    pub step: u64,
+    /// Fresh and cached delta payload bytes handed to the network.
+    pub bytes_sent: u64,
+    /// Global-version payload bytes received.
+    pub bytes_received: u64,
+    /// Deltas that missed their deadline and went to the cache.
+    pub weak_sync_events: u64,
+    /// Deltas acknowledged by their aggregator.
+    pub deltas_delivered: u64,
+    /// Global versions written into the model.
+    pub versions_applied: u64,
+    /// Cached entries restored from disk at start.
+    pub restored_from_cache: u64,
+    /// Latest local evaluation accuracy.
+    pub accuracy: Option<f32>,
+}
+
+/// The node leader's sync driver (see the module docs).
+pub struct SyncDriver {
+    client: SyncClient,
+    cache: DurableCache,
+    layers: Vec<SyncLayerDef>,
+    by_id: HashMap<u32, usize>,
+    outbox: Box<dyn Outbox>,
+    inbound: Receiver<NetEvent>,
+    clock: Instant,
+    role: Role,
+    sent_at: HashMap<(u32, u64), Instant>,
+    counters: DriverCounters,
+    stats_every: std::time::Duration,
+    last_stats: Option<Instant>,
+    map_epoch: u64,
+    fatal: Option<String>,
+    scratch: Vec<f32>,
+}
+
+impl SyncDriver {
+    /// A driver around `client` (already restored from `cache`).
+    pub fn new(
+        client: SyncClient,
+        cache: DurableCache,
+        layers: Vec<SyncLayerDef>,
+        outbox: Box<dyn Outbox>,
+        inbound: Receiver<NetEvent>,
+        role: Role,
+        stats_every: std::time::Duration,
+        map_epoch: u64,
+    ) -> Self {
+        let by_id = layers.iter().enumerate().map(|(i, l)| (l.layer_id, i)).collect();
+        SyncDriver {
+            client,
+            cache,
+            layers,
+            by_id,
+            outbox,
+            inbound,
+            clock: Instant::now(),
+            role,
+            sent_at: HashMap::new(),
+            counters: DriverCounters::default(),
+            stats_every,
+            last_stats: None,
+            map_epoch,
+            fatal: None,
+            scratch: Vec::new(),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.clock.elapsed().as_nanos() as u64
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> &DriverCounters {
+        &self.counters
+    }
+
+    /// Deltas not yet acknowledged (in flight or cached).
+    pub fn undelivered(&self) -> usize {
+        self.client.undelivered()
+    }
+
+    /// Records restored cache entries (for the counters).
+    pub fn note_restored(&mut self, n: usize) {
+        self.counters.restored_from_cache = n as u64;
+    }
+
+    /// Records the latest local evaluation.
+    pub fn set_accuracy(&mut self, accuracy: Option<f32>) {
+        self.counters.accuracy = accuracy;
+    }
+
+    /// The next seq the client will use (persist it across restarts).
+    pub fn next_seq(&self) -> u64 {
+        self.client.next_seq()
+    }
+
+    /// Handles everything that arrived and every due timeout, executes the client's outputs,
+    /// and returns the model layers it rewrote. Call often (after every step, and in a loop
+    /// while draining at the end).
+    pub fn pump(&mut self, model: &mut Model) -> Result<Vec<usize>, String> {
+        if let Some(f) = &self.fatal {
+            return Err(f.clone());
+        }
+        let mut changed = Vec::new();
+        loop {
+            match self.inbound.try_recv() {
+                Ok(event) => self.handle_event(event)?,
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    return Err("the network task stopped".into());
+                }
+            }
+        }
+        let now = self.now();
+        if self.client.poll_timeout().is_some_and(|t| t <= now) {
+            self.client.handle_timeout(now);
+        }
+        self.drain_outputs(model, &mut changed)?;
+        self.maybe_report();
+        Ok(changed)
+    }
+
+    fn handle_event(&mut self, event: NetEvent) -> Result<(), String> {
+        let now = self.now();
+        match event {
+            NetEvent::Message(Message::LayerMap(map)) => {
+                if map.epoch > self.map_epoch {
+                    self.map_epoch = map.epoch;
+                    for (layer_id, owner) in map.owners {
+                        self.client.set_owner(layer_id, owner);
+                    }
+                    info!("[MAP] epoch={} applied", self.map_epoch);
+                }
+            }
+            NetEvent::Message(Message::Heartbeat(_)) => {}
+            NetEvent::Message(Message::LayerVersion(v)) => {
+                self.counters.bytes_received += v.payload.len() as u64;
+                self.client.handle_message(now, Message::LayerVersion(v));
+            }
+            NetEvent::Message(msg) => self.client.handle_message(now, msg),
+            NetEvent::AggregatorUp(id) => {
+                debug!(aggregator = id, "link up: flushing the weak-sync backlog");
+                self.client.on_link_up(now);
+            }
+            NetEvent::Fatal(reason) => {
+                self.fatal = Some(reason.clone());
+                return Err(reason);
+            }
+        }
+        Ok(())
+    }
+
+    fn drain_outputs(&mut self, model: &mut Model, changed: &mut Vec<usize>) -> Result<(), String> {
+        while let Some(out) = self.client.poll_output() {
+            let now = self.now();
+            match out {
+                Output::Send { to, msg } => {
+                    if let Message::LayerDelta(p) = &msg {
+                        self.counters.bytes_sent += p.payload.len() as u64;
+                        self.sent_at.entry((p.layer_id, p.seq)).or_insert_with(Instant::now);
+                    }
+                    self.outbox.to_aggregator(to, msg);
+                }
+                Output::CachePut { entry } => {
+                    self.cache
+                        .put_durable(&entry)
+                        .map_err(|e| format!("weak-sync cache write failed: {e}"))?;
+                    self.client.cache_put_done(now, entry.layer_id, entry.seq);
+                }
+                Output::CacheReplace {
+                    layer_id,
+                    remove,
+                    put,
+                } => {
+                    self.cache
+                        .replace(layer_id, &remove, &put)
+                        .map_err(|e| format!("weak-sync cache write failed: {e}"))?;
+                    self.client.cache_put_done(now, put.layer_id, put.seq);
+                }
+                Output::CacheRemove { layer_id, seqs } => {
+                    if let Err(e) = self.cache.remove(layer_id, &seqs) {
+                        // Not fatal: a delivered entry left behind is retransmitted after a
+                        // restart and rejected as a duplicate.
+                        warn!("[WARN] weak-sync cache remove failed: {e}");
+                    }
+                }
+                Output::ApplyVersion {
+                    layer_id,
+                    version,
+                    values,
+                } => {
+                    let Some(&li) = self.by_id.get(&layer_id) else {
+                        continue;
+                    };
+                    let index = self.layers[li].model_index;
+                    self.scratch = model.layer_values(index);
+                    match self
+                        .client
+                        .apply_version(layer_id, &mut self.scratch, &values, version)
+                    {
+                        Ok(true) => {
+                            model.set_layer_values(index, &self.scratch);
+                            self.counters.versions_applied += 1;
+                            if !changed.contains(&index) {
+                                changed.push(index);
+                            }
+                            debug!(
+                                "[VERSION] layer={} version={version}",
+                                self.layers[li].name
+                            );
+                        }
+                        Ok(false) => {}
+                        Err(e) => return Err(format!("applying a global version: {e}")),
+                    }
+                }
+                Output::Event(e) => self.log_event(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn layer_name(&self, layer_id: u32) -> &str {
+        self.by_id
+            .get(&layer_id)
+            .map_or("?", |&i| self.layers[i].name.as_str())
+    }
+
+    fn log_event(&mut self, e: ClientEvent) {
+        match e {
+            ClientEvent::WeakSynced {
+                layer_id, pending, ..
+            } => {
+                self.counters.weak_sync_events += 1;
+                warn!(
+                    "[WARN] layer={} deadline missed, cached ({pending} pending)",
+                    self.layer_name(layer_id)
+                );
+            }
+            ClientEvent::CutCached {
+                layer_id, pending, ..
+            } => {
+                self.counters.weak_sync_events += 1;
+                warn!(
+                    "[WARN] layer={} backlog, cached ({pending} pending)",
+                    self.layer_name(layer_id)
+                );
+            }
+            ClientEvent::Delivered {
+                layer_id,
+                seq,
+                applied,
+                new_version,
+            } => {
+                self.counters.deltas_delivered += 1;
+                let ms = self
+                    .sent_at
+                    .remove(&(layer_id, seq))
+                    .map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+                let bytes = self
+                    .by_id
+                    .get(&layer_id)
+                    .map_or(0, |&i| self.layers[i].len * 4);
+                info!(
+                    "[SYNC] layer={} version={new_version} bytes={bytes} ms={ms:.1} seq={seq}{}",
+                    self.layer_name(layer_id),
+                    if applied { "" } else { " (already applied)" }
+                );
+            }
+            ClientEvent::Dropped {
+                layer_id, reason, ..
+            } => warn!(
+                "[WARN] layer={} delta refused by its aggregator: {reason:?}; re-syncing",
+                self.layer_name(layer_id)
+            ),
+            ClientEvent::PeerError { error } => {
+                error!("[ERROR] aggregator replied {:?}: {}", error.code, error.text)
+            }
+            ClientEvent::Ignored { reason } => debug!("ignored: {reason}"),
+            other => debug!("{other:?}"),
+        }
+    }
+
+    fn maybe_report(&mut self) {
+        let due = self
+            .last_stats
+            .is_none_or(|t| t.elapsed() >= self.stats_every);
+        if due {
+            self.last_stats = Some(Instant::now());
+            self.outbox.to_coordinator(Message::Stats(self.stats()));
+        }
+    }
+
+    /// This node's counters as a [`NodeStats`] message.
+    pub fn stats(&self) -> NodeStats {
+        NodeStats {
+            node_id: self.client.node_id(),
+            role: self.role,
+            step: self.counters.step,
+            bytes_sent: self.counters.bytes_sent,
+            bytes_received: self.counters.bytes_received,
+            weak_sync_events: self.counters.weak_sync_events,
+            cached_pending: self.layers.iter().map(|l| self.client.pending(l.layer_id) as u64).sum(),
+            deltas_applied: 0,
+            duplicates_rejected: 0,
+            dropped_stale: 0,
+            layer_versions: self
+                .layers
+                .iter()
+                .map(|l| (l.layer_id, self.client.version(l.layer_id).unwrap_or(0)))
+                .collect(),
+            staleness_histogram: Vec::new(),
+            accuracy: self.counters.accuracy,
+        }
+    }
+
+    /// Sends a final stats report now.
+    pub fn report_now(&mut self) {
+        self.outbox.to_coordinator(Message::Stats(self.stats()));
+        self.last_stats = Some(Instant::now());
+    }
+
+    /// Cached entries on disk (for tests and the stats file).
+    pub fn cache_entries(&self) -> Vec<CacheEntry> {
+        self.cache.entries().unwrap_or_default()
+    }
+
+    fn cut(&mut self, step: u64, samples: u64, model: &Model) -> Result<(), String> {
+        let now = self.now();
+        let layers = &self.layers;
+        let by_id = &self.by_id;
+        let mut values: HashMap<u32, Vec<f32>> = HashMap::new();
+        for id in self.client.due_layers(step).collect::<Vec<_>>() {
+            if let Some(&i) = by_id.get(&id) {
+                values.insert(id, model.layer_values(layers[i].model_index));
+            }
+        }
+        let empty: Vec<f32> = Vec::new();
+        self.client
+            .on_step_end(now, step, samples, |id| {
+                values.get(&id).map_or(empty.as_slice(), |v| v.as_slice())
+            })
+            .map_err(|e| format!("cutting deltas at step {step}: {e}"))
+    }
+}
+
+impl LeaderHook for SyncDriver {
+    fn after_step(&mut self, step: u64, samples: u64, model: &mut Model) -> Result<Vec<usize>, String> {
+        self.counters.step = step;
+        // Versions that arrived during the step are applied before the cut, so the delta is
+        // taken against the freshest anchor.
+        let mut changed = self.pump(model)?;
+        self.cut(step, samples, model)?;
+        for index in self.pump(model)? {
+            if !changed.contains(&index) {
+                changed.push(index);
+            }
+        }
+        Ok(changed)
+    }
+
+    fn should_stop(&self) -> bool {
+        self.fatal.is_some()
+    }
+}

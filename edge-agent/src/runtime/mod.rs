@@ -1,0 +1,11 @@
+//! The training node process (`dreamddp edge`, `dreamddp worker`): configuration, the
+//! synchronous driver of the sans-IO [`crate::SyncClient`] on the leader's training thread,
+//! and the tokio + QUIC network side.
+
+pub mod config;
+pub mod driver;
+pub mod net;
+pub mod run;
+
+pub use config::{NodeConfigError, NodeRunConfig};
+pub use run::{next_incarnation, run_node, NodeRunError, NodeRunSummary};

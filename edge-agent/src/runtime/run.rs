@@ -1,0 +1,362 @@
+//! A training node process from start to exit: load the data, open the durable weak-sync
+//! cache (moving a damaged one aside), raise the seq incarnation, join the cluster over QUIC,
+//! bootstrap from the global model, train with the [`SyncDriver`] as the leader hook, drain
+//! the backlog, leave, and write `stats.json`. Used by `dreamddp edge` (1 worker) and
+//! `dreamddp worker` (N workers with the intra-node collective).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine::lr::LrSchedule;
+use engine::model::Model;
+use engine::optim::OptimizerConfig;
+use gpu_worker::layout::{sync_layout, SyncLayerDef};
+use gpu_worker::node::{run_node_training, LeaderHook, NodeTrainConfig};
+use gpu_worker::task::Task;
+use protocol::{Capabilities, Role};
+use serde::Serialize;
+use tracing::{info, warn};
+use transport::{QuicNode, TlsIdentity, TransportConfig};
+
+use super::config::{parse_codec, NodeRunConfig};
+use super::driver::{DriverCounters, SyncDriver};
+use super::net::{start_node_net, NetConfig};
+use crate::config::{spread_phases, ClientConfig, LayerInit, LayerSpec};
+use crate::durable_cache::DurableCache;
+use crate::state::SyncClient;
+
+/// Why a node process stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeRunError {
+    /// The model or data could not be loaded.
+    #[error("data: {0}")]
+    Data(String),
+    /// The weak-sync cache could not be opened.
+    #[error("weak-sync cache: {0}")]
+    Cache(#[from] crate::durable_cache::CacheError),
+    /// The QUIC endpoint could not start (certificates, address).
+    #[error("transport: {0}")]
+    Transport(#[from] transport::TransportError),
+    /// Joining the cluster failed.
+    #[error("join: {0}")]
+    Join(#[from] super::net::JoinError),
+    /// Training stopped with an error.
+    #[error("training: {0}")]
+    Training(String),
+    /// Local file I/O (state files).
+    #[error("{path}: {source}")]
+    Io {
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+}
+
+/// What a node did (also written to `<data_dir>/stats.json`).
+#[derive(Clone, Debug, Serialize)]
+pub struct NodeRunSummary {
+    /// Node name.
+    pub name: String,
+    /// Node id.
+    pub node_id: u64,
+    /// Role.
+    pub role: String,
+    /// Seq incarnation of this run (1 for a first start).
+    pub incarnation: u64,
+    /// Steps trained in this run.
+    pub steps: u64,
+    /// Final local test accuracy (classification tasks).
+    pub final_accuracy: Option<f64>,
+    /// Final local eval loss.
+    pub final_loss: f64,
+    /// Deltas still undelivered when the process left (0 after a complete drain).
+    pub undelivered: usize,
+    /// Runtime counters.
+    pub counters: DriverCounters,
+    /// Wall seconds.
+    pub wall_seconds: f64,
+}
+
+/// Reads, increments and durably stores the seq incarnation in `dir/incarnation`. Seqs of
+/// run `k` start at `k << 32`, so they keep increasing across restarts (the aggregator
+/// rejects a seq at or below the highest it applied as a duplicate).
+pub fn next_incarnation(dir: &Path) -> Result<u64, NodeRunError> {
+    let path = dir.join("incarnation");
+    let io = |source| NodeRunError::Io {
+        path: path.clone(),
+        source,
+    };
+    let previous = match std::fs::read_to_string(&path) {
+        Ok(text) => text.trim().parse::<u64>().unwrap_or_else(|_| {
+            warn!("[WARN] {} is unreadable; starting a new seq range above any old one", path.display());
+            u64::from(u32::MAX >> 1)
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(io(e)),
+    };
+    let next = previous + 1;
+    let tmp = dir.join("incarnation.tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(io)?;
+    f.write_all(next.to_string().as_bytes()).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    std::fs::rename(&tmp, &path).map_err(io)?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(next)
+}
+
+/// The leader hook of a node process: the sync driver plus periodic local evaluation.
+struct NodeLeader<'a> {
+    driver: SyncDriver,
+    task: &'a Task,
+    eval_every: u64,
+    eval_limit: usize,
+}
+
+impl LeaderHook for NodeLeader<'_> {
+    fn after_step(&mut self, step: u64, samples: u64, model: &mut Model) -> Result<Vec<usize>, String> {
+        let changed = self.driver.after_step(step, samples, model)?;
+        if self.eval_every > 0 && step % self.eval_every == 0 {
+            let e = self.task.evaluate(model, Some(self.eval_limit));
+            self.driver.set_accuracy(e.accuracy.map(|a| a as f32));
+            info!(
+                "[EVAL] step={step} accuracy={} loss={:.4}",
+                e.accuracy.map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
+                e.loss
+            );
+        }
+        Ok(changed)
+    }
+
+    fn should_stop(&self) -> bool {
+        self.driver.should_stop()
+    }
+}
+
+/// Runs a training node until it has trained `training.steps` steps and drained its backlog.
+pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, NodeRunError> {
+    let started = Instant::now();
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| NodeRunError::Io { path, source }
+    };
+    std::fs::create_dir_all(&config.node.data_dir).map_err(io(&config.node.data_dir))?;
+    let task = config.model.load_task().map_err(NodeRunError::Data)?;
+    let model = task.build_model(config.model.seed);
+    let layout: Vec<SyncLayerDef> = sync_layout(&model);
+
+    let (cache, report) = DurableCache::open(config.node.data_dir.join("cache"))?;
+    if let Some(m) = &report.moved_aside {
+        warn!(
+            "[WARN] weak-sync cache was damaged ({}); moved aside to {} and rebuilt with {} valid entries",
+            m.reason,
+            m.path.display(),
+            report.recovered
+        );
+    }
+    let incarnation = next_incarnation(&config.node.data_dir)?;
+    let cached = cache.entries()?;
+    info!(
+        "[START] node={} id={} incarnation={incarnation} cached_deltas={}",
+        config.node.name,
+        config.node.id,
+        cached.len()
+    );
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(io(Path::new("tokio runtime")))?;
+    let identity = TlsIdentity::in_dir(&config.node.certs_dir, &config.node.name);
+    let quic = {
+        let _guard = runtime.enter();
+        Arc::new(QuicNode::bind(
+            config.node.bind,
+            &identity,
+            &TransportConfig::default(),
+        )?)
+    };
+    let (events_tx, events_rx) = std::sync::mpsc::channel();
+    let net_config = NetConfig {
+        node_id: config.node.id,
+        role,
+        coordinator: config.node.coordinator,
+        coordinator_name: config.node.coordinator_name.clone(),
+        credentials: config.node.credentials.clone(),
+        address_overrides: config.node.address_overrides.clone(),
+        heartbeat_every: Duration::from_millis(500),
+        send_timeout: Duration::from_secs(10),
+    };
+    let capabilities = Capabilities {
+        gpus: 0,
+        cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+        memory_bytes: 0,
+        link_bytes_per_sec: 0,
+        codecs: vec![protocol::Codec::RawF32, protocol::Codec::ZstdRawF32],
+    };
+    let net = runtime.block_on(start_node_net(
+        Arc::clone(&quic),
+        net_config,
+        capabilities,
+        Duration::from_secs(config.sync.join_timeout_s),
+        events_tx,
+    ))?;
+    let owners: std::collections::HashMap<u32, u64> =
+        net.join_ack.layer_owners.iter().copied().collect();
+
+    let codec = parse_codec(&config.sync.codec).unwrap_or(protocol::Codec::RawF32);
+    let mut specs: Vec<LayerSpec> = layout
+        .iter()
+        .map(|l| LayerSpec {
+            layer_id: l.layer_id,
+            name: l.name.clone(),
+            shape: vec![l.len as u32],
+            period_steps: config.sync.period_steps,
+            phase: 0,
+            deadline_ns: config
+                .sync
+                .deadline_ms_by_layer
+                .get(&l.name)
+                .copied()
+                .unwrap_or(config.sync.deadline_ms)
+                * 1_000_000,
+            owner: owners.get(&l.layer_id).copied().unwrap_or(0),
+        })
+        .collect();
+    spread_phases(&mut specs);
+    let inits = specs
+        .into_iter()
+        .zip(&layout)
+        .map(|(spec, l)| LayerInit {
+            spec,
+            values: model.layer_values(l.model_index),
+            version: 0,
+        })
+        .collect();
+    let client_config = ClientConfig {
+        max_attempts: config.sync.max_attempts,
+        delta_codec: codec,
+        flush_interval_ns: config.sync.flush_interval_ms * 1_000_000,
+        first_seq: incarnation << 32,
+    };
+    let mut client = SyncClient::new(config.node.id, inits, client_config)
+        .map_err(|e| NodeRunError::Training(e.to_string()))?;
+    let restored = client
+        .restore_from_cache(0, cached)
+        .map_err(|e| NodeRunError::Training(format!("restoring the weak-sync cache: {e}")))?;
+    let mut driver = SyncDriver::new(
+        client,
+        cache,
+        layout.clone(),
+        Box::new(net.outbox.clone()),
+        events_rx,
+        role,
+        Duration::from_millis(config.sync.stats_every_ms),
+        net.join_ack.map_epoch,
+    );
+    driver.note_restored(restored);
+
+    // Bootstrap: the aggregators answer our Subscribe with the current global versions.
+    let mut boot_model = model;
+    let wanted: std::collections::HashMap<u32, u64> =
+        net.join_ack.layer_versions.iter().copied().collect();
+    let boot_deadline = Instant::now() + Duration::from_secs(10);
+    let mut initial: Vec<(usize, Vec<f32>)> = Vec::new();
+    loop {
+        for index in driver
+            .pump(&mut boot_model)
+            .map_err(NodeRunError::Training)?
+        {
+            initial.retain(|(i, _)| *i != index);
+            initial.push((index, boot_model.layer_values(index)));
+        }
+        let stats = driver.stats();
+        let have: std::collections::HashMap<u32, u64> = stats.layer_versions.into_iter().collect();
+        let complete = layout.iter().all(|l| {
+            have.get(&l.layer_id).copied().unwrap_or(0) >= wanted.get(&l.layer_id).copied().unwrap_or(0)
+        });
+        let all_linked = owners.values().all(|&a| net.aggregator_connected(a));
+        if (complete && all_linked) || Instant::now() > boot_deadline {
+            if !complete {
+                warn!("[WARN] bootstrap incomplete after 10 s; training from what arrived");
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Layers whose global version is newer than the seeded init start from it.
+    for l in &layout {
+        if !initial.iter().any(|(i, _)| *i == l.model_index) {
+            initial.push((l.model_index, boot_model.layer_values(l.model_index)));
+        }
+    }
+
+    let train_config = NodeTrainConfig {
+        workers: config.training.workers,
+        steps: config.training.steps,
+        batch_size: config.training.batch_size,
+        seed: config.model.seed,
+        first_rank: config.training.first_rank,
+        world: config.training.world,
+        optimizer: OptimizerConfig::sgd(),
+        schedule: LrSchedule::constant(config.training.lr),
+    };
+    let mut leader = NodeLeader {
+        driver,
+        task: &task,
+        eval_every: config.training.eval_every,
+        eval_limit: config.training.eval_limit,
+    };
+    let (train_report, mut final_model) =
+        run_node_training(&task, &train_config, &initial, &mut leader)
+            .map_err(|e| NodeRunError::Training(e.to_string()))?;
+    let mut driver = leader.driver;
+
+    // Drain: keep exchanging until every delta is acknowledged (or the timeout).
+    let drain_until = Instant::now() + Duration::from_secs(config.sync.drain_timeout_s);
+    while driver.undelivered() > 0 && Instant::now() < drain_until {
+        driver.pump(&mut final_model).map_err(NodeRunError::Training)?;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let undelivered = driver.undelivered();
+    if undelivered > 0 {
+        warn!("[WARN] leaving with {undelivered} undelivered deltas (kept in the weak-sync cache for the next start)");
+    }
+    let eval = task.evaluate(&mut final_model, None);
+    driver.set_accuracy(eval.accuracy.map(|a| a as f32));
+    driver.report_now();
+    std::thread::sleep(Duration::from_millis(100));
+    runtime.block_on(net.leave("training finished"));
+
+    let summary = NodeRunSummary {
+        name: config.node.name.clone(),
+        node_id: config.node.id,
+        role: format!("{role:?}").to_lowercase(),
+        incarnation,
+        steps: train_report.steps,
+        final_accuracy: eval.accuracy,
+        final_loss: eval.loss,
+        undelivered,
+        counters: driver.counters().clone(),
+        wall_seconds: started.elapsed().as_secs_f64(),
+    };
+    let stats_path = config.node.data_dir.join("stats.json");
+    let json = serde_json::to_string_pretty(&summary).unwrap_or_default();
+    std::fs::write(&stats_path, json).map_err(io(&stats_path))?;
+    info!(
+        "[DONE] node={} steps={} accuracy={} undelivered={undelivered}",
+        summary.name,
+        summary.steps,
+        summary
+            .final_accuracy
+            .map_or("-".into(), |a| format!("{:.2}%", a * 100.0))
+    );
+    quic.close();
+    drop(runtime);
+    Ok(summary)
+}

@@ -1,0 +1,379 @@
+//! One cluster node's local training: `N` worker threads, each with its own replica and data
+//! shard, averaging gradients every step through the intra-node [`Collective`] (synchronous
+//! SGD inside the node, so all replicas stay identical), and a leader hook that runs on rank 0
+//! between steps. The hook is where the node talks to the rest of the cluster (cross-site
+//! deltas, new global versions): layers it rewrites are copied to every worker before the
+//! next step. Compute runs on plain OS threads, never on an async runtime.
+
+use std::sync::{Arc, Barrier, Mutex};
+
+use engine::lr::LrSchedule;
+use engine::model::Model;
+use engine::optim::OptimizerConfig;
+
+use crate::collective::{AbortOnPanic, Collective, CollectiveError, ReduceKey};
+use crate::replica::Replica;
+use crate::task::Task;
+use crate::thread_collective::ThreadCollective;
+
+/// What the leader does between steps.
+pub trait LeaderHook: Send {
+    /// Called on rank 0 after optimizer step `step` (1-based count of steps done), with the
+    /// leader's model (identical on every worker at this point) and the samples the whole
+    /// node trained on in this step. Returns the indices of the model layers it rewrote;
+    /// those are copied to every other worker. Returning `Err` stops the node.
+    fn after_step(
+        &mut self,
+        step: u64,
+        samples: u64,
+        model: &mut Model,
+    ) -> Result<Vec<usize>, String>;
+
+    /// Polled after each step: `true` ends training early (e.g. a shutdown was requested).
+    fn should_stop(&self) -> bool {
+        false
+    }
+}
+
+/// How a node trains.
+#[derive(Clone, Debug)]
+pub struct NodeTrainConfig {
+    /// Local workers (threads), ≥ 1.
+    pub workers: usize,
+    /// Optimizer steps to run.
+    pub steps: u64,
+    /// Per-worker batch size.
+    pub batch_size: usize,
+    /// Model init and data-order seed (the same on every node of a cluster).
+    pub seed: u64,
+    /// This node's first global data-shard rank; worker `w` reads shard `first_rank + w`.
+    pub first_rank: usize,
+    /// Total shards across the cluster (all workers of all nodes).
+    pub world: usize,
+    /// Optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Learning-rate schedule.
+    pub schedule: LrSchedule,
+}
+
+/// Errors of a node's training run.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeTrainError {
+    /// Bad configuration (names the field).
+    #[error("node config: {0}")]
+    Config(String),
+    /// The intra-node collective failed.
+    #[error("intra-node collective: {0}")]
+    Collective(#[from] CollectiveError),
+    /// The leader hook asked to stop with an error.
+    #[error("leader: {0}")]
+    Leader(String),
+    /// A worker thread panicked.
+    #[error("worker thread {0} panicked")]
+    Panicked(usize),
+}
+
+/// What a node's training run did.
+#[derive(Clone, Debug, Default)]
+pub struct NodeTrainReport {
+    /// Steps completed.
+    pub steps: u64,
+    /// Mean training loss of the leader over the last 50 steps.
+    pub recent_loss: f32,
+    /// Intra-node collective bytes sent by the leader.
+    pub intra_node_bytes: u64,
+    /// Largest absolute difference between the leader's parameters and any other worker's at
+    /// the end (0 when the replicas stayed identical, as synchronous SGD plus the leader's
+    /// broadcasts guarantee).
+    pub replica_divergence: f32,
+}
+
+/// Layers the leader rewrote, published to the other workers between two barriers.
+type Broadcast = Mutex<Vec<(usize, Vec<f32>)>>;
+
+/// Trains `task` on this node. `initial` (model layer index → values) overrides the seeded
+/// initial weights (the global model a node bootstraps from). Blocks until done; returns the
+/// report and the leader's final model.
+pub fn run_node_training(
+    task: &Task,
+    config: &NodeTrainConfig,
+    initial: &[(usize, Vec<f32>)],
+    hook: &mut dyn LeaderHook,
+) -> Result<(NodeTrainReport, Model), NodeTrainError> {
+    if config.workers == 0 {
+        return Err(NodeTrainError::Config("workers must be at least 1".into()));
+    }
+    if config.first_rank + config.workers > config.world {
+        return Err(NodeTrainError::Config(format!(
+            "shards {}..{} exceed world {}",
+            config.first_rank,
+            config.first_rank + config.workers,
+            config.world
+        )));
+    }
+    let mut replicas = Vec::with_capacity(config.workers);
+    for w in 0..config.workers {
+        let mut r = Replica::new(
+            task,
+            config.seed,
+            config.first_rank + w,
+            config.world,
+            config.batch_size,
+            &config.optimizer,
+            config.schedule.clone(),
+        )
+        .map_err(NodeTrainError::Config)?;
+        for (index, values) in initial {
+            if *index >= r.model.layers.len() || r.model.layer_values(*index).len() != values.len()
+            {
+                return Err(NodeTrainError::Config(format!(
+                    "initial values for layer index {index} do not fit the model"
+                )));
+            }
+            r.model.set_layer_values(*index, values);
+        }
+        replicas.push(r);
+    }
+    let collective: Arc<dyn Collective> = Arc::new(ThreadCollective::new(
+        config.workers,
+        crate::link::LinkModel::unshaped(),
+    )?);
+    let barrier = Arc::new(Barrier::new(config.workers));
+    let broadcast: Arc<Broadcast> = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let samples_per_step = (config.batch_size * config.workers) as u64;
+
+    let mut leader = replicas.remove(0);
+    let report = std::thread::scope(|scope| {
+        let mut handles = Vec::new();
+        for (i, mut replica) in replicas.into_iter().enumerate() {
+            let rank = i + 1;
+            let collective = Arc::clone(&collective);
+            let barrier = Arc::clone(&barrier);
+            let broadcast = Arc::clone(&broadcast);
+            let stop = Arc::clone(&stop);
+            let steps = config.steps;
+            handles.push(scope.spawn(move || -> Result<Vec<f32>, NodeTrainError> {
+                let _guard = AbortOnPanic::new(collective.as_ref(), rank);
+                for step in 0..steps {
+                    train_step(&mut replica, collective.as_ref(), rank, step)?;
+                    barrier.wait();
+                    barrier.wait();
+                    {
+                        let published = broadcast.lock().unwrap_or_else(|p| p.into_inner());
+                        for (index, values) in published.iter() {
+                            replica.model.set_layer_values(*index, values);
+                        }
+                    }
+                    barrier.wait();
+                    if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        break;
+                    }
+                }
+                Ok(replica.model.flat_values())
+            }));
+        }
+
+        let _guard = AbortOnPanic::new(collective.as_ref(), 0);
+        let mut losses = std::collections::VecDeque::with_capacity(50);
+        let mut result: Result<(), NodeTrainError> = Ok(());
+        let mut done = 0;
+        for step in 0..config.steps {
+            let loss = match train_step(&mut leader, collective.as_ref(), 0, step) {
+                Ok(l) => l,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            };
+            if losses.len() == 50 {
+                losses.pop_front();
+            }
+            losses.push_back(loss);
+            done = step + 1;
+            if config.workers > 1 {
+                barrier.wait();
+            }
+            let changed = hook.after_step(done, samples_per_step, &mut leader.model);
+            let stop_now = changed.is_err() || hook.should_stop();
+            if config.workers > 1 {
+                let mut published = broadcast.lock().unwrap_or_else(|p| p.into_inner());
+                published.clear();
+                if let Ok(changed) = &changed {
+                    for &index in changed {
+                        published.push((index, leader.model.layer_values(index)));
+                    }
+                }
+                drop(published);
+                stop.store(stop_now, std::sync::atomic::Ordering::SeqCst);
+                barrier.wait();
+                barrier.wait();
+            }
+            if let Err(e) = changed {
+                result = Err(NodeTrainError::Leader(e));
+                break;
+            }
+            if stop_now {
+                break;
+            }
+        }
+        if result.is_err() {
+            collective.shutdown("the node leader stopped");
+        }
+        let leader_values = leader.model.flat_values();
+        let mut divergence = 0.0f32;
+        for (i, h) in handles.into_iter().enumerate() {
+            match h.join() {
+                Ok(Ok(values)) => {
+                    for (a, b) in leader_values.iter().zip(&values) {
+                        divergence = divergence.max((a - b).abs());
+                    }
+                }
+                Ok(Err(e)) => {
+                    if result.is_ok() {
+                        result = Err(e);
+                    }
+                }
+                Err(_) => result = Err(NodeTrainError::Panicked(i + 1)),
+            }
+        }
+        result.map(|()| NodeTrainReport {
+            steps: done,
+            recent_loss: losses.iter().sum::<f32>() / losses.len().max(1) as f32,
+            intra_node_bytes: collective.bytes_sent(0),
+            replica_divergence: divergence,
+        })
+    });
+    report.map(|r| (r, leader.model))
+}
+
+/// One synchronous-SGD step of one worker: forward/backward, gradient mean across the node's
+/// workers (one flat all-reduce), optimizer step. Returns the training loss.
+fn train_step(
+    replica: &mut Replica,
+    collective: &dyn Collective,
+    rank: usize,
+    step: u64,
+) -> Result<f32, NodeTrainError> {
+    let loss = replica.forward_backward(&mut |_, _| {});
+    if collective.world() > 1 {
+        let n_layers = replica.model.layers.len();
+        let mut flat = Vec::new();
+        let mut lens = Vec::with_capacity(n_layers);
+        for i in 0..n_layers {
+            let g = replica.layer_grads(i);
+            lens.push(g.len());
+            flat.extend_from_slice(&g);
+        }
+        let mean = collective
+            .all_reduce_mean(rank, ReduceKey::new(step, 0), flat)?
+            .wait()?;
+        let mut off = 0;
+        for (i, len) in lens.into_iter().enumerate() {
+            if len > 0 {
+                replica.set_layer_grads(i, &mean[off..off + len]);
+            }
+            off += len;
+        }
+    }
+    replica.step_all();
+    Ok(loss)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::task::{load_data, ModelKind};
+
+    struct CountingHook {
+        calls: Vec<(u64, u64)>,
+        rewrite_at: u64,
+        stop_at: u64,
+    }
+
+    impl LeaderHook for CountingHook {
+        fn after_step(
+            &mut self,
+            step: u64,
+            samples: u64,
+            model: &mut Model,
+        ) -> Result<Vec<usize>, String> {
+            self.calls.push((step, samples));
+            if step == self.rewrite_at {
+                let len = model.layer_values(0).len();
+                model.set_layer_values(0, &vec![0.5; len]);
+                return Ok(vec![0]);
+            }
+            Ok(Vec::new())
+        }
+        fn should_stop(&self) -> bool {
+            self.calls.last().is_some_and(|c| c.0 >= self.stop_at)
+        }
+    }
+
+    fn digits_task() -> Task {
+        let data = load_data("digits", None).unwrap();
+        Task::new(ModelKind::Mlp, "digits", data).unwrap()
+    }
+
+    fn config(workers: usize, steps: u64) -> NodeTrainConfig {
+        NodeTrainConfig {
+            workers,
+            steps,
+            batch_size: 16,
+            seed: 3,
+            first_rank: 0,
+            world: workers,
+            optimizer: OptimizerConfig::sgd(),
+            schedule: LrSchedule::constant(0.05),
+        }
+    }
+
+    #[test]
+    fn two_workers_train_and_the_hook_sees_every_step_with_node_samples() {
+        let task = digits_task();
+        let mut hook = CountingHook {
+            calls: Vec::new(),
+            rewrite_at: 0,
+            stop_at: u64::MAX,
+        };
+        let (report, _) = run_node_training(&task, &config(2, 30), &[], &mut hook).unwrap();
+        assert_eq!(report.steps, 30);
+        assert_eq!(hook.calls.len(), 30);
+        assert!(hook.calls.iter().all(|&(_, s)| s == 32));
+        assert!(report.intra_node_bytes > 0);
+        assert!(report.recent_loss.is_finite());
+        assert_eq!(report.replica_divergence, 0.0);
+    }
+
+    #[test]
+    fn hook_rewrites_reach_every_worker_and_stop_ends_early() {
+        // A rewrite that did not reach every worker would leave the replicas different.
+        let task = digits_task();
+        let mut hook = CountingHook {
+            calls: Vec::new(),
+            rewrite_at: 3,
+            stop_at: 5,
+        };
+        let (report, _) = run_node_training(&task, &config(2, 50), &[], &mut hook).unwrap();
+        assert_eq!(report.steps, 5);
+        assert_eq!(hook.calls.len(), 5);
+        assert_eq!(report.replica_divergence, 0.0);
+    }
+
+    #[test]
+    fn initial_values_that_do_not_fit_are_refused() {
+        let task = digits_task();
+        let mut hook = CountingHook {
+            calls: Vec::new(),
+            rewrite_at: 0,
+            stop_at: u64::MAX,
+        };
+        let err =
+            run_node_training(&task, &config(1, 1), &[(0, vec![1.0; 3])], &mut hook).unwrap_err();
+        assert!(err.to_string().contains("layer index 0"), "{err}");
+        let mut bad = config(2, 1);
+        bad.world = 1;
+        assert!(run_node_training(&task, &bad, &[], &mut hook).is_err());
+    }
+}

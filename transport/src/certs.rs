@@ -1,0 +1,455 @@
+//! The cluster's certificates: a CA that signs one certificate per node
+//! ([`create_cluster_certs`]), where a node finds its files ([`TlsIdentity`]),
+//! and loading them for rustls ([`TlsIdentity::load`]).
+//!
+//! Layout of a certificate directory `D`:
+//!
+//! | file          | what                                                       |
+//! |---------------|------------------------------------------------------------|
+//! | `ca.pem`      | the cluster CA certificate (every node trusts only this)   |
+//! | `ca.key`      | the CA private key (keep it on the operator's machine)     |
+//! | `<name>.pem`  | node certificate: CN = name, DNS SANs = name, `localhost`  |
+//! | `<name>.key`  | node private key (PKCS#8, mode 0600 on unix)               |
+//!
+//! The CA is created when absent and reused when present, so nodes can be
+//! added to a running cluster later.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose,
+};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+pub use crate::error::CertError;
+
+/// File name of the CA certificate in a certificate directory.
+pub const CA_CERT_FILE: &str = "ca.pem";
+/// File name of the CA private key in a certificate directory.
+pub const CA_KEY_FILE: &str = "ca.key";
+/// Common name of the cluster CA.
+pub const CA_COMMON_NAME: &str = "dreamddp cluster CA";
+/// Longest node name accepted (a DNS label).
+pub const MAX_NODE_NAME_LEN: usize = 63;
+
+/// Check that `name` can be a file name, a certificate CN and a DNS name.
+pub fn validate_node_name(name: &str) -> Result<(), CertError> {
+    let invalid = |reason| {
+        Err(CertError::InvalidName {
+            name: name.to_string(),
+            reason,
+        })
+    };
+    if name.is_empty() {
+        return invalid("it is empty");
+    }
+    if name.len() > MAX_NODE_NAME_LEN {
+        return invalid("it is longer than 63 characters");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        return invalid("it contains a character outside [A-Za-z0-9._-]");
+    }
+    if name.starts_with(['.', '-']) || name.ends_with(['.', '-']) {
+        return invalid("it starts or ends with '.' or '-'");
+    }
+    if name.contains("..") {
+        return invalid("it contains \"..\"");
+    }
+    if name.eq_ignore_ascii_case("ca") {
+        return invalid("\"ca\" is the name of the CA's own files");
+    }
+    Ok(())
+}
+
+/// Create (or reuse) the cluster CA in `dir` and write a certificate and key
+/// for each of `node_names`, signed by it. Existing node files are replaced.
+///
+/// Returns every path written (the CA's two files only when they were created).
+pub fn create_cluster_certs(dir: &Path, node_names: &[String]) -> Result<Vec<PathBuf>, CertError> {
+    for name in node_names {
+        validate_node_name(name)?;
+    }
+    fs::create_dir_all(dir).map_err(|source| CertError::Io {
+        action: "create directory",
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut written = Vec::new();
+    let issuer = load_or_create_ca(dir, &mut written)?;
+    for name in node_names {
+        let key = KeyPair::generate()?;
+        let cert = node_params(name)?.signed_by(&key, &issuer)?;
+        let cert_path = dir.join(format!("{name}.pem"));
+        let key_path = dir.join(format!("{name}.key"));
+        write_file(&key_path, key.serialize_pem().as_bytes(), true)?;
+        write_file(&cert_path, cert.pem().as_bytes(), false)?;
+        written.push(cert_path);
+        written.push(key_path);
+    }
+    Ok(written)
+}
+
+/// Certificate parameters of the CA.
+fn ca_params() -> CertificateParams {
+    let mut params = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, CA_COMMON_NAME);
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    params
+}
+
+/// Certificate parameters of a node: usable as TLS server and client.
+fn node_params(name: &str) -> Result<CertificateParams, CertError> {
+    let mut params = CertificateParams::new(vec![name.to_string(), "localhost".to_string()])?;
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, name);
+    params.distinguished_name = dn;
+    params.use_authority_key_identifier_extension = true;
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    Ok(params)
+}
+
+/// Reuse `dir/ca.pem` + `dir/ca.key` when both exist; create them when both
+/// are absent (recording them in `written`).
+fn load_or_create_ca(
+    dir: &Path,
+    written: &mut Vec<PathBuf>,
+) -> Result<Issuer<'static, KeyPair>, CertError> {
+    let cert_path = dir.join(CA_CERT_FILE);
+    let key_path = dir.join(CA_KEY_FILE);
+    let hint = "move ca.pem and ca.key away to create a new CA (every node then needs new \
+                certificates)";
+    match (cert_path.exists(), key_path.exists()) {
+        (true, true) => {
+            let key_pem = read_text(&key_path, "CA private key")?;
+            let key = KeyPair::from_pem(&key_pem).map_err(|e| CertError::Parse {
+                what: "CA private key",
+                path: key_path.clone(),
+                reason: e.to_string(),
+                hint: hint.to_string(),
+            })?;
+            let cert_pem = read_text(&cert_path, "CA certificate")?;
+            let parse_error = |reason: String| CertError::Parse {
+                what: "CA certificate",
+                path: cert_path.clone(),
+                reason,
+                hint: hint.to_string(),
+            };
+            let der = CertificateDer::from_pem_slice(cert_pem.as_bytes())
+                .map_err(|e| parse_error(e.to_string()))?;
+            if !spki_matches(&der, &key) {
+                return Err(parse_error(
+                    "its public key does not belong to ca.key".to_string(),
+                ));
+            }
+            Issuer::from_ca_cert_der(&der, key).map_err(|e| parse_error(e.to_string()))
+        }
+        (false, false) => {
+            let key = KeyPair::generate()?;
+            let params = ca_params();
+            let cert = params.self_signed(&key)?;
+            write_file(&key_path, key.serialize_pem().as_bytes(), true)?;
+            write_file(&cert_path, cert.pem().as_bytes(), false)?;
+            written.push(cert_path);
+            written.push(key_path);
+            Ok(Issuer::new(params, key))
+        }
+        (true, false) => Err(CertError::IncompleteCa {
+            present: cert_path,
+            absent: key_path,
+        }),
+        (false, true) => Err(CertError::IncompleteCa {
+            present: key_path,
+            absent: cert_path,
+        }),
+    }
+}
+
+/// Whether the certificate's subject public key is `key`'s public key.
+fn spki_matches(cert: &CertificateDer<'_>, key: &KeyPair) -> bool {
+    match x509_parser::parse_x509_certificate(cert) {
+        Ok((_, parsed)) => parsed.public_key().subject_public_key.data.as_ref() == key.public_key_raw(),
+        Err(_) => false,
+    }
+}
+
+fn read_text(path: &Path, what: &'static str) -> Result<String, CertError> {
+    fs::read_to_string(path).map_err(|source| CertError::Io {
+        action: "read",
+        path: path.to_path_buf(),
+        source,
+    })
+    .map_err(|e| match e {
+        CertError::Io { source, path, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            CertError::Missing {
+                what,
+                path,
+                hint: "it was removed while the certificates were being created".to_string(),
+            }
+        }
+        other => other,
+    })
+}
+
+/// Write `bytes` to `path` through a temporary file and a rename, so a crash
+/// never leaves half a key; `secret` files get mode 0600 on unix.
+fn write_file(path: &Path, bytes: &[u8], secret: bool) -> Result<(), CertError> {
+    let io_error = |action, source| CertError::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut tmp_name = path.as_os_str().to_os_string();
+    tmp_name.push(".tmp");
+    let tmp = PathBuf::from(tmp_name);
+    let mut options = fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    if secret {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    #[cfg(not(unix))]
+    let _ = secret;
+    let mut file = options.open(&tmp).map_err(|e| io_error("write", e))?;
+    file.write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .map_err(|e| io_error("write", e))?;
+    drop(file);
+    fs::rename(&tmp, path).map_err(|e| io_error("write", e))
+}
+
+/// Where one node finds its certificate, its key, and the cluster CA.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsIdentity {
+    /// The cluster CA certificate (`D/ca.pem`).
+    pub ca_cert: PathBuf,
+    /// This node's certificate (`D/<name>.pem`).
+    pub cert: PathBuf,
+    /// This node's private key (`D/<name>.key`).
+    pub key: PathBuf,
+}
+
+/// A [`TlsIdentity`] read from disk, ready for rustls.
+#[derive(Debug)]
+pub(crate) struct LoadedIdentity {
+    /// Trust anchors: the cluster CA.
+    pub(crate) ca_certs: Vec<CertificateDer<'static>>,
+    /// This node's certificate chain.
+    pub(crate) cert_chain: Vec<CertificateDer<'static>>,
+    /// This node's private key.
+    pub(crate) key: PrivateKeyDer<'static>,
+}
+
+impl TlsIdentity {
+    /// The files of node `node_name` in certificate directory `dir`.
+    pub fn in_dir(dir: &Path, node_name: &str) -> TlsIdentity {
+        TlsIdentity {
+            ca_cert: dir.join(CA_CERT_FILE),
+            cert: dir.join(format!("{node_name}.pem")),
+            key: dir.join(format!("{node_name}.key")),
+        }
+    }
+
+    /// What to run to (re)create this identity's files.
+    fn hint(&self) -> String {
+        let dir = self
+            .cert
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let name = self
+            .cert
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "NAME".to_string());
+        format!(
+            "run `dreamddp certs --dir {} --nodes {name}` to create it",
+            dir.display()
+        )
+    }
+
+    /// Read and parse the three files. Errors name the file and the command
+    /// that creates it.
+    pub(crate) fn load(&self) -> Result<LoadedIdentity, CertError> {
+        let ca_certs = self.load_certs(&self.ca_cert, "CA certificate")?;
+        let cert_chain = self.load_certs(&self.cert, "node certificate")?;
+        let bytes = self.read(&self.key, "node private key")?;
+        let key = PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| CertError::Parse {
+            what: "node private key",
+            path: self.key.clone(),
+            reason: e.to_string(),
+            hint: self.hint(),
+        })?;
+        Ok(LoadedIdentity {
+            ca_certs,
+            cert_chain,
+            key,
+        })
+    }
+
+    fn read(&self, path: &Path, what: &'static str) -> Result<Vec<u8>, CertError> {
+        fs::read(path).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                CertError::Missing {
+                    what,
+                    path: path.to_path_buf(),
+                    hint: self.hint(),
+                }
+            } else {
+                CertError::Io {
+                    action: "read",
+                    path: path.to_path_buf(),
+                    source,
+                }
+            }
+        })
+    }
+
+    fn load_certs(
+        &self,
+        path: &Path,
+        what: &'static str,
+    ) -> Result<Vec<CertificateDer<'static>>, CertError> {
+        let bytes = self.read(path, what)?;
+        let parse_error = |reason: String| CertError::Parse {
+            what,
+            path: path.to_path_buf(),
+            reason,
+            hint: self.hint(),
+        };
+        let certs = CertificateDer::pem_slice_iter(&bytes)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| parse_error(e.to_string()))?;
+        if certs.is_empty() {
+            return Err(parse_error("it holds no PEM certificate".to_string()));
+        }
+        Ok(certs)
+    }
+}
+
+/// The common name (CN) of a DER certificate, if it has one.
+pub(crate) fn common_name(cert: &CertificateDer<'_>) -> Option<String> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let cn = parsed.subject().iter_common_name().next()?;
+    cn.as_str().ok().map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn creates_ca_and_node_files_with_the_right_cn() {
+        let dir = tempfile::tempdir().unwrap();
+        let written = create_cluster_certs(dir.path(), &names(&["alpha", "beta-1"])).unwrap();
+        assert_eq!(written.len(), 6);
+        for path in &written {
+            assert!(path.exists(), "{} missing", path.display());
+        }
+        let loaded = TlsIdentity::in_dir(dir.path(), "beta-1").load().unwrap();
+        assert_eq!(common_name(&loaded.cert_chain[0]).as_deref(), Some("beta-1"));
+        assert_eq!(
+            common_name(&loaded.ca_certs[0]).as_deref(),
+            Some(CA_COMMON_NAME)
+        );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn key_files_are_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        create_cluster_certs(dir.path(), &names(&["n1"])).unwrap();
+        for file in ["ca.key", "n1.key"] {
+            let mode = fs::metadata(dir.path().join(file)).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600, "{file}");
+        }
+    }
+
+    #[test]
+    fn reuses_an_existing_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        create_cluster_certs(dir.path(), &names(&["a"])).unwrap();
+        let ca_before = fs::read(dir.path().join(CA_CERT_FILE)).unwrap();
+        let written = create_cluster_certs(dir.path(), &names(&["b"])).unwrap();
+        assert_eq!(written, vec![dir.path().join("b.pem"), dir.path().join("b.key")]);
+        assert_eq!(fs::read(dir.path().join(CA_CERT_FILE)).unwrap(), ca_before);
+        // The new node's certificate names the same CA as issuer.
+        let b = TlsIdentity::in_dir(dir.path(), "b").load().unwrap();
+        let (_, cert) = x509_parser::parse_x509_certificate(&b.cert_chain[0]).unwrap();
+        let (_, ca) = x509_parser::parse_x509_certificate(&b.ca_certs[0]).unwrap();
+        assert_eq!(cert.issuer(), ca.subject());
+        assert!(cert.verify_signature(Some(ca.public_key())).is_ok());
+    }
+
+    #[test]
+    fn an_incomplete_ca_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        create_cluster_certs(dir.path(), &names(&["a"])).unwrap();
+        fs::remove_file(dir.path().join(CA_KEY_FILE)).unwrap();
+        let err = create_cluster_certs(dir.path(), &names(&["b"])).unwrap_err();
+        assert!(matches!(err, CertError::IncompleteCa { .. }), "{err}");
+    }
+
+    #[test]
+    fn rejects_bad_node_names_before_writing_anything() {
+        let dir = tempfile::tempdir().unwrap();
+        for bad in ["", "a/b", "ca", ".hidden", "x..y", "trailing-", "sp ace", &"x".repeat(64)] {
+            let err = create_cluster_certs(dir.path(), &names(&["ok", bad])).unwrap_err();
+            assert!(matches!(err, CertError::InvalidName { .. }), "{bad:?}: {err}");
+        }
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+        for good in ["worker-0", "agg_1.site-a", "A9"] {
+            validate_node_name(good).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_missing_file_names_the_path_and_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        create_cluster_certs(dir.path(), &names(&["present"])).unwrap();
+        let err = TlsIdentity::in_dir(dir.path(), "absent").load().unwrap_err();
+        let CertError::Missing { path, .. } = &err else {
+            panic!("expected Missing, got {err}");
+        };
+        assert_eq!(path, &dir.path().join("absent.pem"));
+        let text = err.to_string();
+        assert!(text.contains("absent.pem"), "{text}");
+        assert!(text.contains("dreamddp certs --dir"), "{text}");
+        assert!(text.contains("--nodes absent"), "{text}");
+    }
+
+    #[test]
+    fn a_garbage_key_file_is_a_parse_error() {
+        let dir = tempfile::tempdir().unwrap();
+        create_cluster_certs(dir.path(), &names(&["n"])).unwrap();
+        fs::write(dir.path().join("n.key"), b"not a key").unwrap();
+        let err = TlsIdentity::in_dir(dir.path(), "n").load().unwrap_err();
+        assert!(
+            matches!(&err, CertError::Parse { path, .. } if path.ends_with("n.key")),
+            "{err}"
+        );
+    }
+}
