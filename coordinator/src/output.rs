@@ -34,6 +34,8 @@ pub enum Output {
         aggregator_id: u64,
         /// Its `host:port`.
         addr: String,
+        /// Its certificate name (the TLS server name to dial it by).
+        name: String,
     },
     /// Drop the subscription to `aggregator_id` (it left or lost its lease).
     Unsubscribe {

@@ -406,6 +406,7 @@ impl CoordinatorState {
             self.outputs.push_back(Output::Subscribe {
                 aggregator_id: node_id,
                 addr: join.listen_addr,
+                name: peer_name.to_owned(),
             });
         }
     }

@@ -203,7 +203,8 @@ fn aggregator_join_builds_the_map_and_tells_everyone() {
     );
     assert!(out.contains(&Output::Subscribe {
         aggregator_id: 10,
-        addr: "127.0.0.1:7010".into()
+        addr: "127.0.0.1:7010".into(),
+        name: "agg-10".into(),
     }));
     assert!(events(&out)
         .iter()
