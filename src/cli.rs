@@ -27,6 +27,16 @@ pub enum Command {
     Simulate(Box<crate::simulate_cmd::SimulateArgs>),
     /// Time one training step of mlp and cnn against PyTorch on the CPU (same threads, same run).
     Bench(BenchArgs),
+    /// Run a CPU aggregator process (owns the layers the coordinator maps to it).
+    Aggregator(crate::node_cmds::ProcessArgs),
+    /// Run a worker node process (N local workers, intra-node collective, talks to aggregators).
+    Worker(crate::node_cmds::ProcessArgs),
+    /// Run an edge agent process (trains locally, per-layer deadlines, durable weak-sync cache).
+    Edge(crate::node_cmds::ProcessArgs),
+    /// Create a cluster CA and per-node certificates for mutual TLS.
+    Certs(crate::node_cmds::CertsArgs),
+    /// Run a user-space lossy UDP relay (loss, bursts, latency, jitter, bandwidth, outages, traces).
+    Relay(crate::node_cmds::ProcessArgs),
 }
 
 /// Flags of `bench`.

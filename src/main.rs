@@ -3,6 +3,7 @@
 mod bench_cmd;
 mod cli;
 mod compare;
+mod node_cmds;
 mod plots;
 mod simulate_cmd;
 mod train_cmd;
@@ -24,6 +25,11 @@ fn main() {
         cli::Command::Plan(a) => train_cmd::plan(*a),
         cli::Command::Bench(a) => bench_cmd::run(a),
         cli::Command::Simulate(a) => simulate_cmd::run(*a),
+        cli::Command::Aggregator(a) => node_cmds::aggregator(a),
+        cli::Command::Worker(a) => node_cmds::trainer(a, protocol::Role::Worker),
+        cli::Command::Edge(a) => node_cmds::trainer(a, protocol::Role::Edge),
+        cli::Command::Certs(a) => node_cmds::certs(a),
+        cli::Command::Relay(a) => node_cmds::relay(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

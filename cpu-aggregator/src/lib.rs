@@ -24,6 +24,7 @@
 
 pub mod config;
 pub mod error;
+pub mod server;
 pub mod snapshot;
 pub mod state;
 

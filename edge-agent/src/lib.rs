@@ -23,6 +23,7 @@ pub mod cache;
 pub mod config;
 pub mod durable_cache;
 pub mod error;
+pub mod runtime;
 pub mod state;
 
 #[cfg(test)]

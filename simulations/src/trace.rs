@@ -97,7 +97,7 @@ pub struct Trace {
 /// are left in the one before it. Only meaningful for mahimahi traces; rate traces are fluid and
 /// need only the start time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct TraceCursor {
+pub struct TraceCursor {
     next_opportunity: u64,
     leftover_bytes: u64,
 }
@@ -405,7 +405,7 @@ impl Trace {
 
     /// Serializes `bytes` starting no earlier than `start`; returns when the last byte leaves, or
     /// `None` if a non-looped trace ends first. Advances `cursor` (mahimahi credit).
-    pub(crate) fn transmit(
+    pub fn transmit(
         &self,
         cursor: &mut TraceCursor,
         start: SimTime,

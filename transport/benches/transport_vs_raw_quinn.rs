@@ -1,7 +1,8 @@
 //! Throughput of `PeerConnection::send`/`recv` against raw quinn streams on
 //! loopback, measured in the same run: 200 LayerDelta messages of 256k f32
 //! (~1 MiB) per round, transport and raw rounds alternating, 3 of each.
-//! Prints MB/s of each and `ratio transport/raw = X.XXx`.
+//! Prints MB/s of each round, the medians, and `ratio transport/raw = X.XXx`
+//! (ratio of the medians; target >= 0.8).
 
 use transport::{bench_transport_vs_raw, BenchParams};
 
@@ -34,7 +35,10 @@ fn main() {
     {
         println!("round {round}: transport {ours:8.1} MB/s   raw quinn {raw:8.1} MB/s");
     }
-    println!("transport (PeerConnection) {:8.1} MB/s", result.transport_mb_s);
+    println!(
+        "transport (PeerConnection) {:8.1} MB/s",
+        result.transport_mb_s
+    );
     println!("raw quinn uni streams      {:8.1} MB/s", result.raw_mb_s);
     println!("ratio transport/raw = {:.2}x", result.ratio());
 }

@@ -48,6 +48,8 @@ impl BenchParams {
 }
 
 /// Throughput of each side; MB = 10^6 bytes of frames (or raw stream bytes).
+/// The headline figures are medians over the rounds, so one round slowed by
+/// another process on a shared machine does not decide the ratio.
 #[derive(Clone, Debug)]
 pub struct BenchResult {
     /// Bytes each round moves (identical for both sides).
@@ -56,16 +58,27 @@ pub struct BenchResult {
     pub transport_rounds_mb_s: Vec<f64>,
     /// MB/s of each raw quinn round, in order.
     pub raw_rounds_mb_s: Vec<f64>,
-    /// Total bytes over total time of the transport rounds.
+    /// Median MB/s of the transport rounds.
     pub transport_mb_s: f64,
-    /// Total bytes over total time of the raw rounds.
+    /// Median MB/s of the raw rounds.
     pub raw_mb_s: f64,
 }
 
 impl BenchResult {
-    /// `transport_mb_s / raw_mb_s`.
+    /// `transport_mb_s / raw_mb_s` (ratio of the medians).
     pub fn ratio(&self) -> f64 {
         self.transport_mb_s / self.raw_mb_s
+    }
+}
+
+/// Median of `values` (mean of the middle two for an even count; 0 if empty).
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
     }
 }
 
@@ -88,7 +101,8 @@ fn bench_message(floats: usize) -> Result<Message, TransportError> {
     Ok(Message::LayerDelta(payload))
 }
 
-/// Run the comparison on 127.0.0.1. Call inside a multi-threaded tokio runtime.
+/// Run the comparison on 127.0.0.1. Call inside a tokio runtime (a
+/// multi-threaded one for meaningful figures).
 pub async fn bench_transport_vs_raw(params: &BenchParams) -> Result<BenchResult, TransportError> {
     let names = vec!["bench-sender".to_string(), "bench-receiver".to_string()];
     create_cluster_certs(&params.cert_dir, &names)?;
@@ -115,7 +129,8 @@ pub async fn bench_transport_vs_raw(params: &BenchParams) -> Result<BenchResult,
         addr: Some(localhost),
         source,
     };
-    let raw_server = quinn::Endpoint::server(raw_server_configs.server, localhost).map_err(bind_error)?;
+    let raw_server =
+        quinn::Endpoint::server(raw_server_configs.server, localhost).map_err(bind_error)?;
     let mut raw_client = quinn::Endpoint::client(localhost).map_err(bind_error)?;
     raw_client.set_default_client_config(raw_client_configs.client);
     let raw_server_addr = raw_server.local_addr().map_err(bind_error)?;
@@ -154,20 +169,26 @@ pub async fn bench_transport_vs_raw(params: &BenchParams) -> Result<BenchResult,
         transport_mb_s: 0.0,
         raw_mb_s: 0.0,
     };
-    let (mut transport_time, mut raw_time) = (Duration::ZERO, Duration::ZERO);
     for _ in 0..params.rounds {
-        let elapsed = transport_round(&to_receiver, &from_sender, &message, params.messages).await?;
-        transport_time += elapsed;
+        let elapsed =
+            transport_round(&to_receiver, &from_sender, &message, params.messages).await?;
         result
             .transport_rounds_mb_s
             .push(mb_per_s(bytes_per_round, elapsed));
-        let elapsed = raw_round(&raw_out, &raw_in, &raw_bytes, params.messages, config.max_message_bytes).await?;
-        raw_time += elapsed;
-        result.raw_rounds_mb_s.push(mb_per_s(bytes_per_round, elapsed));
+        let elapsed = raw_round(
+            &raw_out,
+            &raw_in,
+            &raw_bytes,
+            params.messages,
+            config.max_message_bytes,
+        )
+        .await?;
+        result
+            .raw_rounds_mb_s
+            .push(mb_per_s(bytes_per_round, elapsed));
     }
-    let total = bytes_per_round * params.rounds as u64;
-    result.transport_mb_s = mb_per_s(total, transport_time);
-    result.raw_mb_s = mb_per_s(total, raw_time);
+    result.transport_mb_s = median(&result.transport_rounds_mb_s);
+    result.raw_mb_s = median(&result.raw_rounds_mb_s);
 
     to_receiver.close("bench done");
     raw_out.close(0u32.into(), b"bench done");
@@ -249,4 +270,35 @@ async fn raw_round(
     sent?;
     received?;
     Ok(start.elapsed())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_ignores_one_outlier() {
+        assert_eq!(median(&[100.0, 5.0, 90.0]), 90.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[]), 0.0);
+    }
+
+    #[tokio::test]
+    async fn a_small_comparison_runs_and_moves_the_same_bytes_on_both_sides() {
+        let dir = tempfile::tempdir().unwrap();
+        let params = BenchParams {
+            cert_dir: dir.path().to_path_buf(),
+            messages: 4,
+            floats_per_message: 1024,
+            rounds: 1,
+        };
+        let result = tokio::time::timeout(Duration::from_secs(10), bench_transport_vs_raw(&params))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(result.bytes_per_round > 4 * 4096);
+        assert_eq!(result.transport_rounds_mb_s.len(), 1);
+        assert!(result.transport_mb_s > 0.0 && result.raw_mb_s > 0.0);
+        assert!(result.ratio().is_finite());
+    }
 }

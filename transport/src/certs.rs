@@ -1,6 +1,7 @@
 //! The cluster's certificates: a CA that signs one certificate per node
 //! ([`create_cluster_certs`]), where a node finds its files ([`TlsIdentity`]),
-//! and loading them for rustls ([`TlsIdentity::load`]).
+//! and loading them for rustls ([`TlsIdentity::check`] reports what is wrong
+//! with them before a node starts).
 //!
 //! Layout of a certificate directory `D`:
 //!
@@ -31,7 +32,7 @@ pub use crate::error::CertError;
 pub const CA_CERT_FILE: &str = "ca.pem";
 /// File name of the CA private key in a certificate directory.
 pub const CA_KEY_FILE: &str = "ca.key";
-/// Common name of the cluster CA.
+/// Common name of the cluster CA, followed by a fingerprint of its key.
 pub const CA_COMMON_NAME: &str = "dreamddp cluster CA";
 /// Longest node name accepted (a DNS label).
 pub const MAX_NODE_NAME_LEN: usize = 63;
@@ -96,11 +97,22 @@ pub fn create_cluster_certs(dir: &Path, node_names: &[String]) -> Result<Vec<Pat
     Ok(written)
 }
 
-/// Certificate parameters of the CA.
-fn ca_params() -> CertificateParams {
+/// Certificate parameters of the CA whose key is `key`. The CN carries a
+/// fingerprint of the key so two clusters' CAs never share a name (a peer
+/// from another cluster is then reported as an unknown issuer).
+fn ca_params(key: &KeyPair) -> CertificateParams {
     let mut params = CertificateParams::default();
+    let fingerprint: String = params
+        .key_identifier(key)
+        .iter()
+        .take(4)
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let mut dn = DistinguishedName::new();
-    dn.push(DnType::CommonName, CA_COMMON_NAME);
+    dn.push(
+        DnType::CommonName,
+        format!("{CA_COMMON_NAME} {fingerprint}"),
+    );
     params.distinguished_name = dn;
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     params.key_usages = vec![
@@ -163,7 +175,7 @@ fn load_or_create_ca(
         }
         (false, false) => {
             let key = KeyPair::generate()?;
-            let params = ca_params();
+            let params = ca_params(&key);
             let cert = params.self_signed(&key)?;
             write_file(&key_path, key.serialize_pem().as_bytes(), true)?;
             write_file(&cert_path, cert.pem().as_bytes(), false)?;
@@ -185,27 +197,30 @@ fn load_or_create_ca(
 /// Whether the certificate's subject public key is `key`'s public key.
 fn spki_matches(cert: &CertificateDer<'_>, key: &KeyPair) -> bool {
     match x509_parser::parse_x509_certificate(cert) {
-        Ok((_, parsed)) => parsed.public_key().subject_public_key.data.as_ref() == key.public_key_raw(),
+        Ok((_, parsed)) => {
+            parsed.public_key().subject_public_key.data.as_ref() == key.public_key_raw()
+        }
         Err(_) => false,
     }
 }
 
 fn read_text(path: &Path, what: &'static str) -> Result<String, CertError> {
-    fs::read_to_string(path).map_err(|source| CertError::Io {
-        action: "read",
-        path: path.to_path_buf(),
-        source,
-    })
-    .map_err(|e| match e {
-        CertError::Io { source, path, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-            CertError::Missing {
-                what,
-                path,
-                hint: "it was removed while the certificates were being created".to_string(),
+    fs::read_to_string(path)
+        .map_err(|source| CertError::Io {
+            action: "read",
+            path: path.to_path_buf(),
+            source,
+        })
+        .map_err(|e| match e {
+            CertError::Io { source, path, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                CertError::Missing {
+                    what,
+                    path,
+                    hint: "it was removed while the certificates were being created".to_string(),
+                }
             }
-        }
-        other => other,
-    })
+            other => other,
+        })
 }
 
 /// Write `bytes` to `path` through a temporary file and a rename, so a crash
@@ -284,6 +299,12 @@ impl TlsIdentity {
             "run `dreamddp certs --dir {} --nodes {name}` to create it",
             dir.display()
         )
+    }
+
+    /// Read and parse the three files without starting anything, e.g. to
+    /// report a missing or corrupt file at startup.
+    pub fn check(&self) -> Result<(), CertError> {
+        self.load().map(|_| ())
     }
 
     /// Read and parse the three files. Errors name the file and the command
@@ -369,11 +390,12 @@ mod tests {
             assert!(path.exists(), "{} missing", path.display());
         }
         let loaded = TlsIdentity::in_dir(dir.path(), "beta-1").load().unwrap();
-        assert_eq!(common_name(&loaded.cert_chain[0]).as_deref(), Some("beta-1"));
         assert_eq!(
-            common_name(&loaded.ca_certs[0]).as_deref(),
-            Some(CA_COMMON_NAME)
+            common_name(&loaded.cert_chain[0]).as_deref(),
+            Some("beta-1")
         );
+        let ca_name = common_name(&loaded.ca_certs[0]).unwrap();
+        assert!(ca_name.starts_with(CA_COMMON_NAME), "{ca_name}");
     }
 
     #[cfg(unix)]
@@ -383,7 +405,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         create_cluster_certs(dir.path(), &names(&["n1"])).unwrap();
         for file in ["ca.key", "n1.key"] {
-            let mode = fs::metadata(dir.path().join(file)).unwrap().permissions().mode();
+            let mode = fs::metadata(dir.path().join(file))
+                .unwrap()
+                .permissions()
+                .mode();
             assert_eq!(mode & 0o777, 0o600, "{file}");
         }
     }
@@ -394,7 +419,10 @@ mod tests {
         create_cluster_certs(dir.path(), &names(&["a"])).unwrap();
         let ca_before = fs::read(dir.path().join(CA_CERT_FILE)).unwrap();
         let written = create_cluster_certs(dir.path(), &names(&["b"])).unwrap();
-        assert_eq!(written, vec![dir.path().join("b.pem"), dir.path().join("b.key")]);
+        assert_eq!(
+            written,
+            vec![dir.path().join("b.pem"), dir.path().join("b.key")]
+        );
         assert_eq!(fs::read(dir.path().join(CA_CERT_FILE)).unwrap(), ca_before);
         // The new node's certificate names the same CA as issuer.
         let b = TlsIdentity::in_dir(dir.path(), "b").load().unwrap();
@@ -416,9 +444,21 @@ mod tests {
     #[test]
     fn rejects_bad_node_names_before_writing_anything() {
         let dir = tempfile::tempdir().unwrap();
-        for bad in ["", "a/b", "ca", ".hidden", "x..y", "trailing-", "sp ace", &"x".repeat(64)] {
+        for bad in [
+            "",
+            "a/b",
+            "ca",
+            ".hidden",
+            "x..y",
+            "trailing-",
+            "sp ace",
+            &"x".repeat(64),
+        ] {
             let err = create_cluster_certs(dir.path(), &names(&["ok", bad])).unwrap_err();
-            assert!(matches!(err, CertError::InvalidName { .. }), "{bad:?}: {err}");
+            assert!(
+                matches!(err, CertError::InvalidName { .. }),
+                "{bad:?}: {err}"
+            );
         }
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
         for good in ["worker-0", "agg_1.site-a", "A9"] {
@@ -430,7 +470,9 @@ mod tests {
     fn a_missing_file_names_the_path_and_the_fix() {
         let dir = tempfile::tempdir().unwrap();
         create_cluster_certs(dir.path(), &names(&["present"])).unwrap();
-        let err = TlsIdentity::in_dir(dir.path(), "absent").load().unwrap_err();
+        let err = TlsIdentity::in_dir(dir.path(), "absent")
+            .load()
+            .unwrap_err();
         let CertError::Missing { path, .. } = &err else {
             panic!("expected Missing, got {err}");
         };

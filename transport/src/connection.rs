@@ -14,6 +14,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use protocol::Message;
 use quinn::{ReadError, ReadToEndError, RecvStream, VarInt, WriteError};
 use tokio::sync::{mpsc, Mutex, OwnedSemaphorePermit, Semaphore};
@@ -114,8 +115,9 @@ impl PeerConnection {
     /// peer has read it.
     pub async fn send(&self, msg: &Message) -> Result<usize, TransportError> {
         let frame = self.encode(msg)?;
-        self.send_frame(&frame).await?;
-        Ok(frame.len())
+        let len = frame.len();
+        self.send_bytes(frame).await?;
+        Ok(len)
     }
 
     /// [`PeerConnection::send`] with a deadline. When it passes, the stream is
@@ -128,12 +130,13 @@ impl PeerConnection {
     ) -> Result<usize, TransportError> {
         let deadline = Instant::now() + timeout;
         let frame = self.encode(msg)?;
+        let len = frame.len();
         let opened = tokio::time::timeout_at(deadline, self.inner.connection.open_uni()).await;
         let mut stream = match opened {
             Err(_elapsed) => return Err(TransportError::timeout_after(self.peer_name(), timeout)),
             Ok(opened) => opened.map_err(from_connection_error)?,
         };
-        match tokio::time::timeout_at(deadline, stream.write_all(&frame)).await {
+        match tokio::time::timeout_at(deadline, stream.write_chunk(frame)).await {
             Err(_elapsed) => {
                 // Already closed or reset streams need no reset.
                 let _ = stream.reset(VarInt::from_u32(STREAM_CODE_SEND_TIMEOUT));
@@ -142,7 +145,7 @@ impl PeerConnection {
             Ok(written) => {
                 written.map_err(|e| self.write_error(e))?;
                 stream.finish().map_err(|_| TransportError::Closed)?;
-                Ok(frame.len())
+                Ok(len)
             }
         }
     }
@@ -150,6 +153,12 @@ impl PeerConnection {
     /// Send raw bytes as one stream, unframed (for tests and benchmarks that
     /// need to send what [`PeerConnection::send`] would never produce).
     pub async fn send_frame(&self, frame: &[u8]) -> Result<(), TransportError> {
+        self.send_bytes(Bytes::copy_from_slice(frame)).await
+    }
+
+    /// Write `frame` on a new stream and finish it (the buffer is handed to
+    /// QUIC without a copy).
+    async fn send_bytes(&self, frame: Bytes) -> Result<(), TransportError> {
         let mut stream = self
             .inner
             .connection
@@ -157,7 +166,7 @@ impl PeerConnection {
             .await
             .map_err(from_connection_error)?;
         stream
-            .write_all(frame)
+            .write_chunk(frame)
             .await
             .map_err(|e| self.write_error(e))?;
         stream.finish().map_err(|_| TransportError::Closed)
@@ -191,6 +200,17 @@ impl PeerConnection {
             .close(VarInt::from_u32(CLOSE_CODE_NORMAL), reason.as_bytes());
     }
 
+    /// Wait until the connection is closed (by either side or a timeout) and
+    /// say how it ended.
+    pub async fn closed(&self) -> TransportError {
+        from_connection_error(self.inner.connection.closed().await)
+    }
+
+    /// Whether the connection is already closed.
+    pub fn is_closed(&self) -> bool {
+        self.inner.connection.close_reason().is_some()
+    }
+
     /// UDP bytes sent on this connection (frames plus QUIC/TLS overhead).
     pub fn bytes_sent(&self) -> u64 {
         self.inner.connection.stats().udp_tx.bytes
@@ -206,13 +226,13 @@ impl PeerConnection {
         self.inner.connection.rtt()
     }
 
-    fn encode(&self, msg: &Message) -> Result<Vec<u8>, TransportError> {
-        protocol::encode_frame_with_limit(msg, self.inner.max_body_len).map_err(|source| {
-            TransportError::Encode {
+    fn encode(&self, msg: &Message) -> Result<Bytes, TransportError> {
+        protocol::encode_frame_with_limit(msg, self.inner.max_body_len)
+            .map(Bytes::from)
+            .map_err(|source| TransportError::Encode {
                 kind: msg.kind(),
                 source,
-            }
-        })
+            })
     }
 
     fn write_error(&self, error: WriteError) -> TransportError {
@@ -320,4 +340,225 @@ fn decode_message(bytes: &[u8], peer: &str, max_body_len: u32) -> Result<Message
         });
     }
     Ok(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use protocol::FrameError;
+
+    use super::*;
+    use crate::test_support::{bind, bounded, cert_dir, connect_pair, delta_ack, layer_delta};
+
+    /// 64 KiB messages at most, so oversized streams are cheap to produce.
+    fn small_limit_config() -> TransportConfig {
+        TransportConfig {
+            max_message_bytes: 64 << 10,
+            ..TransportConfig::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn peer_faults_are_reported_once_and_the_connection_survives() {
+        let dir = cert_dir(&["edge", "agg"]);
+        let config = small_limit_config();
+        let edge = bind(dir.path(), "edge", &config);
+        let agg = bind(dir.path(), "agg", &config);
+        let (bad_out, bad_in) = connect_pair(&edge, &agg, "agg").await;
+        let (good_out, good_in) = connect_pair(&edge, &agg, "agg").await;
+
+        bounded(bad_out.send_frame(b"definitely not a dreamddp frame"))
+            .await
+            .unwrap();
+        let err = bounded(bad_in.recv()).await.unwrap_err();
+        assert!(err.is_peer_fault(), "{err}");
+        assert!(
+            matches!(&err, TransportError::BadFrame { peer, source: FrameError::BadMagic { .. } } if peer == "edge"),
+            "{err}"
+        );
+
+        let frame = protocol::encode_frame(&delta_ack(1, 2)).unwrap();
+        bounded(bad_out.send_frame(&frame[..frame.len() - 3]))
+            .await
+            .unwrap();
+        let err = bounded(bad_in.recv()).await.unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                TransportError::BadFrame {
+                    source: FrameError::Truncated { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+
+        // The receiver stops the stream at the limit; the write may or may not
+        // notice before it completes.
+        let _ = bounded(bad_out.send_frame(&vec![0u8; 100 << 10])).await;
+        let err = bounded(bad_in.recv()).await.unwrap_err();
+        assert!(
+            matches!(&err, TransportError::TooLarge { peer, limit } if peer == "edge" && *limit == 64 << 10),
+            "{err}"
+        );
+        assert!(err.is_peer_fault());
+
+        let mut padded = frame.clone();
+        padded.push(0);
+        bounded(bad_out.send_frame(&padded)).await.unwrap();
+        let err = bounded(bad_in.recv()).await.unwrap_err();
+        assert!(
+            matches!(err, TransportError::TrailingBytes { frame_len, stream_len, .. }
+                if frame_len == frame.len() && stream_len == frame.len() + 1),
+            "{err}"
+        );
+
+        // Faults were reported once each; a valid message still gets through.
+        bounded(bad_out.send(&delta_ack(1, 3))).await.unwrap();
+        assert_eq!(bounded(bad_in.recv()).await.unwrap(), delta_ack(1, 3));
+
+        // The receiver gives up on the faulty peer; the other connection works on.
+        bad_in.close("sent garbage");
+        assert!(bad_in.is_closed());
+        let err = bounded(bad_out.closed()).await;
+        assert!(matches!(err, TransportError::Closed), "{err}");
+        let err = bounded(bad_out.recv()).await.unwrap_err();
+        assert!(matches!(err, TransportError::Closed), "{err}");
+        assert!(!err.is_peer_fault());
+        let err = bounded(bad_out.send(&delta_ack(1, 4))).await.unwrap_err();
+        assert!(matches!(err, TransportError::Closed), "{err}");
+
+        let delta = layer_delta(2, 9, 4000);
+        bounded(good_out.send(&delta)).await.unwrap();
+        assert_eq!(bounded(good_in.recv()).await.unwrap(), delta);
+    }
+
+    #[tokio::test]
+    async fn a_message_above_the_limit_is_refused_when_encoding() {
+        let dir = cert_dir(&["a", "b"]);
+        let config = small_limit_config();
+        let a = bind(dir.path(), "a", &config);
+        let b = bind(dir.path(), "b", &config);
+        let (to_b, _to_a) = connect_pair(&a, &b, "b").await;
+        let err = bounded(to_b.send(&layer_delta(0, 0, 20_000)))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransportError::Encode {
+                    kind: "LayerDelta",
+                    source: FrameError::TooLarge { .. }
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn many_concurrent_sends_all_arrive() {
+        let dir = cert_dir(&["worker", "agg"]);
+        let config = TransportConfig::default();
+        let worker = bind(dir.path(), "worker", &config);
+        let agg = bind(dir.path(), "agg", &config);
+        let (to_agg, from_worker) = connect_pair(&worker, &agg, "agg").await;
+
+        let large: Vec<Message> = (0..2)
+            .map(|i| layer_delta(100 + i, i.into(), 1 << 20))
+            .collect();
+        let mut senders = JoinSet::new();
+        for message in large.clone() {
+            let connection = to_agg.clone();
+            senders.spawn(async move { connection.send(&message).await.map(|_| ()) });
+        }
+        for seq in 0..200 {
+            let connection = to_agg.clone();
+            senders.spawn(async move { connection.send(&delta_ack(1, seq)).await.map(|_| ()) });
+        }
+        let mut acks = BTreeSet::new();
+        let mut larges = Vec::new();
+        bounded(async {
+            while acks.len() + larges.len() < 202 {
+                match from_worker.recv().await.unwrap() {
+                    Message::DeltaAck(ack) => assert!(acks.insert(ack.seq)),
+                    other => larges.push(other),
+                }
+            }
+        })
+        .await;
+        while let Some(sent) = bounded(senders.join_next()).await {
+            sent.unwrap().unwrap();
+        }
+        assert_eq!(acks, (0..200).collect());
+        larges.sort_by_key(|m| match m {
+            Message::LayerDelta(p) => p.layer_id,
+            _ => u32::MAX,
+        });
+        assert_eq!(larges, large);
+    }
+
+    #[tokio::test]
+    async fn a_small_message_is_not_held_behind_an_unfinished_large_one() {
+        let dir = cert_dir(&["worker", "agg"]);
+        let config = TransportConfig::default();
+        let worker = bind(dir.path(), "worker", &config);
+        let agg = bind(dir.path(), "agg", &config);
+        let (to_agg, from_worker) = connect_pair(&worker, &agg, "agg").await;
+
+        let big = layer_delta(5, 1, 256 << 10);
+        let frame = protocol::encode_frame(&big).unwrap();
+        let mut slow = bounded(to_agg.inner.connection.open_uni()).await.unwrap();
+        bounded(slow.write_all(&frame[..frame.len() / 2]))
+            .await
+            .unwrap();
+
+        bounded(to_agg.send(&delta_ack(5, 1))).await.unwrap();
+        assert_eq!(bounded(from_worker.recv()).await.unwrap(), delta_ack(5, 1));
+
+        bounded(slow.write_all(&frame[frame.len() / 2..]))
+            .await
+            .unwrap();
+        slow.finish().unwrap();
+        assert_eq!(bounded(from_worker.recv()).await.unwrap(), big);
+    }
+
+    #[tokio::test]
+    async fn send_with_timeout_resets_when_the_peer_stops_reading() {
+        let dir = cert_dir(&["worker", "agg"]);
+        let config = TransportConfig {
+            stream_receive_window: 32 << 10,
+            receive_window: 256 << 10,
+            ..TransportConfig::default()
+        };
+        let worker = bind(dir.path(), "worker", &config);
+        let agg = bind(dir.path(), "agg", &config);
+        let (to_agg, from_worker) = connect_pair(&worker, &agg, "agg").await;
+
+        // The aggregator does not call recv: its queue fills, then its windows.
+        for seq in 0..MAX_UNDELIVERED_MESSAGES as u64 {
+            bounded(to_agg.send(&delta_ack(1, seq))).await.unwrap();
+        }
+        let big = layer_delta(2, 0, 256 << 10);
+        let err = bounded(to_agg.send_with_timeout(&big, Duration::from_millis(300)))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, TransportError::Timeout), "{err}");
+
+        // Once the aggregator reads again, everything queued arrives, the
+        // reset message is dropped, and the connection carries on.
+        let mut drained = BTreeSet::new();
+        for _ in 0..MAX_UNDELIVERED_MESSAGES {
+            match bounded(from_worker.recv()).await.unwrap() {
+                Message::DeltaAck(ack) if ack.layer_id == 1 => drained.insert(ack.seq),
+                other => panic!("unexpected {other:?}"),
+            };
+        }
+        assert_eq!(drained, (0..MAX_UNDELIVERED_MESSAGES as u64).collect());
+        let sent = bounded(to_agg.send_with_timeout(&delta_ack(3, 0), Duration::from_secs(5)))
+            .await
+            .unwrap();
+        assert!(sent > protocol::HEADER_LEN);
+        assert_eq!(bounded(from_worker.recv()).await.unwrap(), delta_ack(3, 0));
+    }
 }

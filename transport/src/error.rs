@@ -191,9 +191,9 @@ impl TransportError {
         )
     }
 
-    /// A [`TransportError::Timeout`] helper for logs that want the deadline.
+    /// [`TransportError::Timeout`], with a debug log of the peer and deadline.
     pub(crate) fn timeout_after(peer: &str, after: Duration) -> TransportError {
-        tracing::warn!(peer, ?after, "send timed out; resetting the stream");
+        tracing::debug!(peer, ?after, "send timed out; the stream was reset");
         TransportError::Timeout
     }
 }

@@ -15,7 +15,7 @@
 //! * [`tls`] — rustls/quinn configuration with an explicit ring provider
 //!   (nothing is installed process-wide).
 //! * [`error`] — [`TransportError`], [`CertError`].
-//! * [`bench`] — [`bench_transport_vs_raw`], throughput against raw quinn.
+//! * [`mod@bench`] — [`bench_transport_vs_raw`], throughput against raw quinn.
 //!
 //! [`QuicNode::bind`] must be called inside a tokio runtime.
 

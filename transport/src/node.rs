@@ -74,11 +74,7 @@ impl QuicNode {
             })?;
         endpoint.set_default_client_config(configs.client);
         let (sender, receiver) = mpsc::channel(ACCEPT_QUEUE);
-        let acceptor = tokio::spawn(accept_connections(
-            endpoint.clone(),
-            config.clone(),
-            sender,
-        ));
+        let acceptor = tokio::spawn(accept_connections(endpoint.clone(), config.clone(), sender));
         Ok(QuicNode {
             endpoint,
             config: config.clone(),
@@ -161,7 +157,11 @@ impl QuicNode {
 
 /// Client side of the post-handshake check.
 async fn client_check(connection: &quinn::Connection) -> Result<(), String> {
-    let refused = |e: &dyn std::fmt::Display| format!("the peer refused the connection: {e}");
+    // A refusal shows up as a lost stream; the connection's close reason says why.
+    let refused = |e: &dyn std::fmt::Display| match connection.close_reason() {
+        Some(reason) => format!("the peer refused the connection: {reason}"),
+        None => format!("the connection check failed: {e}"),
+    };
     let (mut send, mut recv) = connection.open_bi().await.map_err(|e| refused(&e))?;
     send.write_all(CHECK_REQUEST)
         .await

@@ -44,10 +44,8 @@ pub(crate) async fn connect_pair(
     server_name: &str,
 ) -> (PeerConnection, PeerConnection) {
     let addr = server.local_addr().unwrap();
-    let (dialed, accepted) = bounded(async {
-        tokio::join!(client.connect(addr, server_name), server.accept())
-    })
-    .await;
+    let (dialed, accepted) =
+        bounded(async { tokio::join!(client.connect(addr, server_name), server.accept()) }).await;
     (dialed.unwrap(), accepted.unwrap().unwrap())
 }
 

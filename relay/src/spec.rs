@@ -1,0 +1,387 @@
+//! What a relay config says about one direction of the relayed link: [`RelayLinkSpec`].
+//!
+//! The pieces are the simulator's ([`Bandwidth`], [`GilbertElliottSpec`], [`OutageSpec`],
+//! [`TraceSpec`]), so a lossy edge is written the same way in a simulation scenario and in a relay
+//! config. Differences from the simulator's [`LinkSpec`]: capacity is optional (no `bandwidth` and
+//! no `trace` means an unlimited link that only delays and drops), there is a router-like queue
+//! bound (`queue_ms` / `queue_bytes`) and periodic outages, and the QUIC-model fields (`mtu`,
+//! `idle_timeout_s`) do not exist because the relay carries real QUIC datagrams.
+//!
+//! [`RelayLinkSpec::params`] validates everything and converts it to integer nanoseconds; its
+//! errors name the field and the bad value.
+
+use serde::{Deserialize, Serialize};
+use simulations::time::{NANOS_PER_MILLI, NANOS_PER_SEC};
+use simulations::{
+    Bandwidth, GilbertElliottSpec, LinkSpec, OutageSpec, Trace, TraceError, TraceSpec,
+};
+use std::path::Path;
+use std::sync::Arc;
+use thiserror::Error;
+
+/// Default bound on the bandwidth queue, in milliseconds of the link's rate.
+pub const DEFAULT_QUEUE_MS: f64 = 200.0;
+
+fn default_queue_ms() -> f64 {
+    DEFAULT_QUEUE_MS
+}
+
+/// A repeating outage: the link is down during `[offset_s + k·period_s, offset_s + k·period_s +
+/// duration_s)` for every `k ≥ 0` (seconds since the relay started).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeriodicOutageSpec {
+    /// Time between the starts of two outages, in seconds.
+    pub period_s: f64,
+    /// Length of each outage in seconds (less than `period_s`).
+    pub duration_s: f64,
+    /// Start of the first outage, in seconds since the relay started (default 0).
+    #[serde(default)]
+    pub offset_s: f64,
+}
+
+/// One direction of the relayed link. Every field is optional; the default is a transparent link.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelayLinkSpec {
+    /// Constant capacity (`"20mbit"`, `10e6`, ...). With neither this nor `trace`, unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bandwidth: Option<Bandwidth>,
+    /// One-way delay added to every datagram, in ms.
+    #[serde(default)]
+    pub latency_ms: f64,
+    /// Extra delay per datagram, uniform in `[0, jitter_ms]`; datagrams may overtake each other
+    /// by at most this much.
+    #[serde(default)]
+    pub jitter_ms: f64,
+    /// I.i.d. drop probability in `[0, 1]`.
+    #[serde(default)]
+    pub loss: f64,
+    /// Bursty loss (a Gilbert–Elliott chain stepped once per datagram), in addition to `loss`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gilbert_elliott: Option<GilbertElliottSpec>,
+    /// Windows (seconds since the relay started) during which every datagram is dropped.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outages: Vec<OutageSpec>,
+    /// A repeating outage, in addition to `outages`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub periodic_outage: Option<PeriodicOutageSpec>,
+    /// Trace-driven capacity (mahimahi or `time_s Mbit/s`), replayed from the relay's start.
+    /// Relative paths are resolved against the config file's directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceSpec>,
+    /// Bound of the bandwidth queue in ms worth of the link's rate (the trace's mean rate for a
+    /// trace); a datagram that would overflow it is dropped. Default 200 ms. Ignored when the
+    /// link is unlimited or `queue_bytes` is given.
+    #[serde(default = "default_queue_ms")]
+    pub queue_ms: f64,
+    /// Bound of the bandwidth queue in bytes; overrides `queue_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_bytes: Option<u64>,
+}
+
+impl Default for RelayLinkSpec {
+    fn default() -> RelayLinkSpec {
+        RelayLinkSpec {
+            bandwidth: None,
+            latency_ms: 0.0,
+            jitter_ms: 0.0,
+            loss: 0.0,
+            gilbert_elliott: None,
+            outages: Vec::new(),
+            periodic_outage: None,
+            trace: None,
+            queue_ms: DEFAULT_QUEUE_MS,
+            queue_bytes: None,
+        }
+    }
+}
+
+impl From<&LinkSpec> for RelayLinkSpec {
+    /// The relay equivalent of a simulator link (its `mtu` and `idle_timeout_s` describe the QUIC
+    /// model and have no relay counterpart).
+    fn from(spec: &LinkSpec) -> RelayLinkSpec {
+        RelayLinkSpec {
+            bandwidth: spec.bandwidth,
+            latency_ms: spec.latency_ms,
+            jitter_ms: spec.jitter_ms,
+            loss: spec.loss,
+            gilbert_elliott: spec.gilbert_elliott,
+            outages: spec.outages.clone(),
+            periodic_outage: None,
+            trace: spec.trace.clone(),
+            ..RelayLinkSpec::default()
+        }
+    }
+}
+
+/// A [`RelayLinkSpec`] field with a bad value.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{field} {problem}")]
+pub struct RelaySpecError {
+    /// The field, e.g. `loss` or `outages[1].duration_s`.
+    pub field: String,
+    /// What is wrong, e.g. `must be in [0,1], got 1.5`.
+    pub problem: String,
+}
+
+fn spec_error<T>(field: impl Into<String>, problem: String) -> Result<T, RelaySpecError> {
+    Err(RelaySpecError {
+        field: field.into(),
+        problem,
+    })
+}
+
+/// Where a direction's capacity comes from.
+#[derive(Clone, Debug)]
+pub(crate) enum CapacitySource {
+    /// No serialization delay and no queue.
+    Unlimited,
+    /// A constant rate.
+    Constant { bits_per_sec: u64 },
+    /// A replayed trace.
+    Trace,
+}
+
+/// A validated [`RelayLinkSpec`] in integer nanoseconds.
+#[derive(Clone, Debug)]
+pub(crate) struct LinkParams {
+    pub latency_ns: u64,
+    pub jitter_ns: u64,
+    pub loss: f64,
+    /// Sorted, merged, half-open `[start, end)` windows in ns.
+    pub outages: Vec<(u64, u64)>,
+    /// `(offset, period, duration)` in ns.
+    pub periodic_outage: Option<(u64, u64, u64)>,
+    pub capacity: CapacitySource,
+}
+
+fn nanos(field: &str, value: f64, scale: u64) -> Result<u64, RelaySpecError> {
+    let ns = value * scale as f64;
+    if !value.is_finite() || value < 0.0 || ns >= u64::MAX as f64 / 2.0 {
+        return spec_error(field, format!("must be finite and >= 0, got {value}"));
+    }
+    Ok(ns.round() as u64)
+}
+
+fn positive_nanos(field: &str, value: f64, scale: u64) -> Result<u64, RelaySpecError> {
+    match nanos(field, value, scale)? {
+        0 => spec_error(field, format!("must be > 0, got {value}")),
+        ns => Ok(ns),
+    }
+}
+
+fn probability(field: &str, p: f64) -> Result<f64, RelaySpecError> {
+    if (0.0..=1.0).contains(&p) {
+        Ok(p)
+    } else {
+        spec_error(field, format!("must be in [0,1], got {p}"))
+    }
+}
+
+impl RelayLinkSpec {
+    /// Checks every field; the error names the field and the bad value.
+    pub fn validate(&self) -> Result<(), RelaySpecError> {
+        self.params().map(|_| ())
+    }
+
+    pub(crate) fn params(&self) -> Result<LinkParams, RelaySpecError> {
+        let capacity = match (&self.bandwidth, &self.trace) {
+            (Some(_), Some(_)) => {
+                return spec_error(
+                    "bandwidth",
+                    "and `trace` are exclusive: give one of them".into(),
+                )
+            }
+            (Some(b), None) if b.bits_per_sec() == 0 => {
+                return spec_error("bandwidth", "must be positive, got 0".into())
+            }
+            (Some(b), None) => CapacitySource::Constant {
+                bits_per_sec: b.bits_per_sec(),
+            },
+            (None, Some(_)) => CapacitySource::Trace,
+            (None, None) => CapacitySource::Unlimited,
+        };
+        let latency_ns = nanos("latency_ms", self.latency_ms, NANOS_PER_MILLI)?;
+        let jitter_ns = nanos("jitter_ms", self.jitter_ms, NANOS_PER_MILLI)?;
+        let loss = probability("loss", self.loss)?;
+        if let Some(ge) = &self.gilbert_elliott {
+            probability("gilbert_elliott.p_good_to_bad", ge.p_good_to_bad)?;
+            probability("gilbert_elliott.p_bad_to_good", ge.p_bad_to_good)?;
+            probability("gilbert_elliott.loss_good", ge.loss_good)?;
+            probability("gilbert_elliott.loss_bad", ge.loss_bad)?;
+        }
+        let mut windows = Vec::with_capacity(self.outages.len());
+        for (i, outage) in self.outages.iter().enumerate() {
+            let start = nanos(
+                &format!("outages[{i}].start_s"),
+                outage.start_s,
+                NANOS_PER_SEC,
+            )?;
+            let length = positive_nanos(
+                &format!("outages[{i}].duration_s"),
+                outage.duration_s,
+                NANOS_PER_SEC,
+            )?;
+            windows.push((start, start.saturating_add(length)));
+        }
+        windows.sort_unstable();
+        let mut outages: Vec<(u64, u64)> = Vec::with_capacity(windows.len());
+        for (start, end) in windows {
+            match outages.last_mut() {
+                Some(last) if start <= last.1 => last.1 = last.1.max(end),
+                _ => outages.push((start, end)),
+            }
+        }
+        let periodic_outage = match &self.periodic_outage {
+            None => None,
+            Some(p) => {
+                let period = positive_nanos("periodic_outage.period_s", p.period_s, NANOS_PER_SEC)?;
+                let duration =
+                    positive_nanos("periodic_outage.duration_s", p.duration_s, NANOS_PER_SEC)?;
+                let offset = nanos("periodic_outage.offset_s", p.offset_s, NANOS_PER_SEC)?;
+                if duration >= period {
+                    return spec_error(
+                        "periodic_outage.duration_s",
+                        format!(
+                            "must be less than period_s ({}), got {}",
+                            p.period_s, p.duration_s
+                        ),
+                    );
+                }
+                Some((offset, period, duration))
+            }
+        };
+        positive_nanos("queue_ms", self.queue_ms, NANOS_PER_MILLI)?;
+        if self.queue_bytes == Some(0) {
+            return spec_error("queue_bytes", "must be > 0, got 0".into());
+        }
+        Ok(LinkParams {
+            latency_ns,
+            jitter_ns,
+            loss,
+            outages,
+            periodic_outage,
+            capacity,
+        })
+    }
+
+    /// Loads the trace the spec names (its path as written, so resolve it first), if any.
+    pub fn load_trace(&self) -> Result<Option<Arc<Trace>>, TraceError> {
+        self.trace
+            .as_ref()
+            .map(|t| Trace::load(&t.path, t.format, t.looped).map(Arc::new))
+            .transpose()
+    }
+
+    /// Makes a relative trace path relative to `base_dir` instead of the working directory.
+    pub fn resolve_paths(&mut self, base_dir: &Path) {
+        if let Some(trace) = &mut self.trace {
+            if trace.path.is_relative() {
+                trace.path = base_dir.join(&trace.path);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error_of(toml_text: &str) -> String {
+        let spec: RelayLinkSpec = toml::from_str(toml_text).unwrap();
+        spec.validate().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_are_a_transparent_link() {
+        let spec: RelayLinkSpec = toml::from_str("").unwrap();
+        assert_eq!(spec, RelayLinkSpec::default());
+        let params = spec.params().unwrap();
+        assert!(matches!(params.capacity, CapacitySource::Unlimited));
+        assert_eq!((params.latency_ns, params.jitter_ns), (0, 0));
+    }
+
+    #[test]
+    fn parses_simulator_vocabulary() {
+        let spec: RelayLinkSpec = toml::from_str(
+            r#"
+bandwidth = "20mbit"
+latency_ms = 25
+jitter_ms = 2.5
+loss = 0.01
+gilbert_elliott = { p_good_to_bad = 0.01, p_bad_to_good = 0.25 }
+outages = [{ start_s = 3, duration_s = 1 }, { start_s = 3.5, duration_s = 2 }]
+periodic_outage = { period_s = 10, duration_s = 0.5, offset_s = 1 }
+queue_ms = 50
+"#,
+        )
+        .unwrap();
+        assert_eq!(spec.bandwidth, Some(Bandwidth::from_mbit(20)));
+        let params = spec.params().unwrap();
+        assert_eq!(params.latency_ns, 25_000_000);
+        assert_eq!(params.jitter_ns, 2_500_000);
+        assert_eq!(params.outages, vec![(3_000_000_000, 5_500_000_000)]);
+        assert_eq!(
+            params.periodic_outage,
+            Some((1_000_000_000, 10_000_000_000, 500_000_000))
+        );
+        assert_eq!(spec.gilbert_elliott.unwrap().loss_bad, 1.0);
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        assert_eq!(error_of("loss = 1.5"), "loss must be in [0,1], got 1.5");
+        assert_eq!(
+            error_of("latency_ms = -1"),
+            "latency_ms must be finite and >= 0, got -1"
+        );
+        assert_eq!(
+            error_of("outages = [{ start_s = 1, duration_s = 0 }]"),
+            "outages[0].duration_s must be > 0, got 0"
+        );
+        assert_eq!(
+            error_of("periodic_outage = { period_s = 1, duration_s = 2 }"),
+            "periodic_outage.duration_s must be less than period_s (1), got 2"
+        );
+        assert_eq!(
+            error_of("gilbert_elliott = { p_good_to_bad = 2, p_bad_to_good = 0.1 }"),
+            "gilbert_elliott.p_good_to_bad must be in [0,1], got 2"
+        );
+        assert!(
+            error_of("bandwidth = \"1mbit\"\ntrace = { path = \"x\", format = \"mahimahi\" }")
+                .starts_with("bandwidth and `trace` are exclusive")
+        );
+        assert_eq!(
+            error_of("queue_bytes = 0"),
+            "queue_bytes must be > 0, got 0"
+        );
+        let err = toml::from_str::<RelayLinkSpec>("latncy_ms = 3").unwrap_err();
+        assert!(
+            err.to_string().contains("unknown field `latncy_ms`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn converts_a_simulator_link_and_resolves_relative_traces() {
+        let link: LinkSpec =
+            toml::from_str("bandwidth = \"5mbit\"\nlatency_ms = 40\nloss = 0.1").unwrap();
+        let spec = RelayLinkSpec::from(&link);
+        assert_eq!(spec.bandwidth, Some(Bandwidth::from_mbit(5)));
+        assert_eq!((spec.latency_ms, spec.loss), (40.0, 0.1));
+        let mut traced: RelayLinkSpec =
+            toml::from_str("trace = { path = \"t/a.up\", format = \"mahimahi\" }").unwrap();
+        traced.resolve_paths(Path::new("/etc/relay"));
+        assert_eq!(
+            traced.trace.as_ref().unwrap().path,
+            Path::new("/etc/relay/t/a.up")
+        );
+        traced.resolve_paths(Path::new("/elsewhere"));
+        assert_eq!(
+            traced.trace.unwrap().path,
+            Path::new("/etc/relay/t/a.up"),
+            "absolute paths are kept"
+        );
+    }
+}

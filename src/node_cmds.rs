@@ -1,0 +1,112 @@
+//! The process subcommands of a real cluster: `aggregator`, `worker`, `edge` and `certs`
+//! (`coordinator`, `relay` and `cluster` have their own modules). Each reads a TOML config
+//! (errors name the bad key) and runs the role's library entry point.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use protocol::Role;
+use tokio_util::sync::CancellationToken;
+
+/// Flags of `aggregator`, `worker` and `edge`.
+#[derive(Args, Debug, Clone)]
+pub struct ProcessArgs {
+    /// The process's TOML config (see `examples/` and the README's "Cluster configuration").
+    #[arg(long)]
+    pub config: PathBuf,
+}
+
+/// Flags of `certs`.
+#[derive(Args, Debug, Clone)]
+pub struct CertsArgs {
+    /// Directory for the CA and node certificates (the CA is reused if present).
+    #[arg(long, default_value = "certs")]
+    pub dir: PathBuf,
+    /// Node names (comma-separated); each gets `<name>.pem` and `<name>.key`.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub nodes: Vec<String>,
+}
+
+/// A cancellation token cancelled by SIGTERM or Ctrl-C.
+pub fn shutdown_on_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                t.cancel();
+                return;
+            }
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        t.cancel();
+    });
+    token
+}
+
+/// `dreamddp aggregator --config F`.
+pub fn aggregator(args: ProcessArgs) -> Result<()> {
+    let config = cpu_aggregator::server::AggregatorRunConfig::load(&args.config)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let summary = runtime.block_on(async {
+        let shutdown = shutdown_on_signal();
+        cpu_aggregator::server::run_aggregator(config, shutdown).await
+    })?;
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    Ok(())
+}
+
+/// `dreamddp worker --config F` (N local workers) and `dreamddp edge --config F` (1).
+pub fn trainer(args: ProcessArgs, role: Role) -> Result<()> {
+    let config = edge_agent::runtime::NodeRunConfig::load(&args.config)?;
+    if role == Role::Edge && config.training.workers != 1 {
+        anyhow::bail!(
+            "{}: training.workers = {} but an edge agent trains with 1 worker (use `dreamddp worker` for a multi-worker node)",
+            args.config.display(),
+            config.training.workers
+        );
+    }
+    let summary = edge_agent::runtime::run_node(&config, role)
+        .with_context(|| format!("node {}", config.node.name))?;
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    Ok(())
+}
+
+/// `dreamddp certs --dir D --nodes a,b,c`.
+pub fn certs(args: CertsArgs) -> Result<()> {
+    let written = transport::create_cluster_certs(&args.dir, &args.nodes)?;
+    for p in written {
+        println!("{}", p.display());
+    }
+    Ok(())
+}
+
+/// `dreamddp relay --config F`: a lossy UDP relay until SIGTERM / Ctrl-C; prints its
+/// per-direction counters at exit.
+pub fn relay(args: ProcessArgs) -> Result<()> {
+    let config = relay::load_relay_config(&args.config)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let stats = runtime.block_on(async {
+        let shutdown = shutdown_on_signal();
+        let handle = relay::spawn_relay(config).await?;
+        tracing::info!("[RELAY] listening on {}", handle.local_addr());
+        shutdown.cancelled().await;
+        let stats = handle.stats();
+        handle.shutdown().await;
+        anyhow::Ok(stats)
+    })?;
+    println!("{}", serde_json::to_string_pretty(&stats)?);
+    Ok(())
+}
