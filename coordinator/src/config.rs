@@ -1,0 +1,29 @@
+//! Configuration of the coordinator state machine: the cluster secret, the lease length and
+//! the model's layer manifest the layer map is computed over.
+
+use serde::{Deserialize, Serialize};
+
+/// Identifies one connection; chosen by the shell (unique for the process lifetime).
+pub type ConnId = u64;
+
+/// One layer of the model, as the coordinator knows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerInfo {
+    /// Layer index in the model's layer manifest.
+    pub layer_id: u32,
+    /// Layer name (for logs, status and metrics labels).
+    pub name: String,
+    /// Tensor shape, row-major; a [`protocol::LayerVersion`] with another shape is refused.
+    pub shape: Vec<u32>,
+}
+
+/// What the coordinator state machine needs to run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoordinatorConfig {
+    /// Shared secret every [`protocol::Join`] must present.
+    pub credentials: String,
+    /// Lease length in milliseconds: a member that does not heartbeat within it is removed.
+    pub lease_ms: u64,
+    /// The model's layers (ids must be unique; the first of a repeated id wins).
+    pub layers: Vec<LayerInfo>,
+}
