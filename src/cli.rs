@@ -27,6 +27,10 @@ pub enum Command {
     Simulate(Box<crate::simulate_cmd::SimulateArgs>),
     /// Time one training step of mlp and cnn against PyTorch on the CPU (same threads, same run).
     Bench(BenchArgs),
+    /// Run the coordinator (membership, leases, layer map, status endpoint).
+    Coordinator(crate::node_cmds::ProcessArgs),
+    /// Start a whole local cluster of real processes from one TOML file and write summary.json.
+    Cluster(crate::cluster_cmd::ClusterArgs),
     /// Run a CPU aggregator process (owns the layers the coordinator maps to it).
     Aggregator(crate::node_cmds::ProcessArgs),
     /// Run a worker node process (N local workers, intra-node collective, talks to aggregators).

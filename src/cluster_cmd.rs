@@ -423,7 +423,7 @@ async fn run_cluster(file: ClusterFile, args: &ClusterArgs, base_dir: &Path) -> 
     all_names.extend(file.edges.iter().map(|e| e.name.clone()));
     transport::create_cluster_certs(&certs_dir, &all_names)?;
 
-    let model = file.model.clone();
+    let model = file.model.resolved().map_err(anyhow::Error::msg)?;
     let task = model.load_task().map_err(anyhow::Error::msg)?;
     let dataset = task.dataset.clone();
     let coordinator_addr = free_udp_port()?;

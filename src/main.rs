@@ -2,7 +2,9 @@
 
 mod bench_cmd;
 mod cli;
+mod cluster_cmd;
 mod compare;
+mod coordinator_cmd;
 mod node_cmds;
 mod plots;
 mod simulate_cmd;
@@ -25,6 +27,8 @@ fn main() {
         cli::Command::Plan(a) => train_cmd::plan(*a),
         cli::Command::Bench(a) => bench_cmd::run(a),
         cli::Command::Simulate(a) => simulate_cmd::run(*a),
+        cli::Command::Coordinator(a) => coordinator_cmd::run(a),
+        cli::Command::Cluster(a) => cluster_cmd::run(a),
         cli::Command::Aggregator(a) => node_cmds::aggregator(a),
         cli::Command::Worker(a) => node_cmds::trainer(a, protocol::Role::Worker),
         cli::Command::Edge(a) => node_cmds::trainer(a, protocol::Role::Edge),

@@ -38,9 +38,26 @@ fn default_seed() -> u64 {
 impl ModelSection {
     /// Loads the task (model + data). Errors say which model or data set failed and why.
     pub fn load_task(&self) -> Result<Task, String> {
+        let resolved = self.resolved()?;
+        let kind: ModelKind = resolved.model.parse()?;
+        let data = load_data(&resolved.dataset, resolved.data_dir.as_deref())?;
+        Task::new(kind, &resolved.dataset, data)
+    }
+
+    /// The same section with `auto` and the default data folder resolved (what a cluster
+    /// launcher writes into every process's config, so they all load the same data).
+    pub fn resolved(&self) -> Result<ModelSection, String> {
         let kind: ModelKind = self.model.parse()?;
-        let dataset = resolve_dataset(&kind, &self.dataset, self.data_dir.as_deref());
-        let data = load_data(&dataset, self.data_dir.as_deref())?;
-        Task::new(kind, &dataset, data)
+        let data_dir = self
+            .data_dir
+            .clone()
+            .or_else(engine::data::locate::shared_datasets_dir);
+        let dataset = resolve_dataset(&kind, &self.dataset, data_dir.as_deref());
+        Ok(ModelSection {
+            model: self.model.clone(),
+            dataset,
+            data_dir,
+            seed: self.seed,
+        })
     }
 }
