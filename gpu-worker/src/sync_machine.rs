@@ -268,7 +268,7 @@ impl WorkerSyncMachine {
         let step = self.step.take().expect("backward_done inside a step");
         let whole_model = match self.strategy {
             Strategy::Ssgd => Some(SyncKind::Gradients),
-            Strategy::LocalSgd if (step + 1) % self.plan.period() == 0 => {
+            Strategy::LocalSgd if (step + 1).is_multiple_of(self.plan.period()) => {
                 Some(SyncKind::Parameters)
             }
             _ => None,

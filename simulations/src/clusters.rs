@@ -66,8 +66,9 @@
 //! is evaluated as it stood at that instant: the state after the last step that every cluster
 //! had finished by then. `time_to_target_s` is the first evaluation time meeting the target
 //! (accuracy ≥ target, or loss ≤ target for language models); with `stop_at_target` the run
-//! ends with the state that evaluation saw, at the end of the last step before it. Bytes are counted per link class
-//! (`inter-cluster` on the wire with retransmissions, `intra-cluster` by ring accounting).
+//! ends with the state that evaluation saw, at the end of the last step before it. Bytes are
+//! counted per link class (`inter-cluster` on the wire with retransmissions, `intra-cluster`
+//! by ring accounting).
 //! The timeline holds the first [`TIMELINE_CAP`] per-layer inter-cluster syncs. Staleness is the
 //! number of optimizer steps between a parameter average's cut and its landing (0 for the
 //! blocking strategies, 1 for dreamddp). `wall_seconds` is left at 0: this module never reads

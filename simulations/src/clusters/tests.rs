@@ -1,6 +1,5 @@
 //! Tests of the clusters simulation: determinism, hand-computed lockstep time accounting,
-//! dreamddp hiding communication, learning, error messages; plus an ignored measurement of
-//! the shipped `two-datacenters` scenario.
+//! dreamddp hiding communication and following its plan, learning, error messages.
 
 use std::collections::BTreeMap;
 use std::path::Path;
