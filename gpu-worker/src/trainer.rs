@@ -2,7 +2,10 @@
 //! own data shard, executing one sync strategy through the intra-node collective.
 //!
 //! Per step and worker: forward → loss → backward with a per-layer hook. What the hook and
-//! the end of the step do depends on the strategy:
+//! the end of the step do is decided by the worker's sans-IO
+//! [`WorkerSyncMachine`](crate::sync_machine::WorkerSyncMachine) (the clusters simulation
+//! drives the same machine); this module executes its actions on the real model and
+//! collective. Per strategy:
 //!
 //! | strategy | in the backward hook | after backward |
 //! |---|---|---|
@@ -37,6 +40,7 @@ use thiserror::Error;
 
 use crate::collective::{AbortOnPanic, Collective, CollectiveError, ReduceHandle, ReduceKey};
 use crate::link::LinkModel;
+use crate::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
 use crate::task::{Batch, Task, TaskData};
 use crate::thread_collective::ThreadCollective;
 
@@ -290,10 +294,135 @@ pub fn train(
 
 /// A launched all-reduce: which layers it carries, in backward order, and its handle.
 struct InFlight {
-    bucket: u32,
     layers: Vec<usize>,
     handle: ReduceHandle,
     launched: Instant,
+}
+
+/// A waited all-reduce whose slices are still being written into the model.
+struct Landed {
+    values: Vec<f32>,
+    slices_left: usize,
+}
+
+/// Executes the [`SyncAction`]s of one worker's [`WorkerSyncMachine`] on the real model and
+/// collective: the trainer's I/O shell around the machine's decisions.
+struct SyncExecutor<'a> {
+    rank: usize,
+    collective: &'a dyn Collective,
+    layer_names: &'a [String],
+    staging: BTreeMap<ReduceKey, Vec<f32>>,
+    in_flight: BTreeMap<ReduceKey, InFlight>,
+    landed: BTreeMap<ReduceKey, Landed>,
+    syncs: BTreeMap<String, u64>,
+}
+
+impl SyncExecutor<'_> {
+    /// Runs `action`; `layer` is the model layer it names ([`SyncAction::layer`]).
+    fn execute(
+        &mut self,
+        action: SyncAction,
+        layer: Option<&mut NamedLayer>,
+        opts: &mut [Option<LayerOptimizer>],
+        lr: f32,
+    ) -> Result<(), CollectiveError> {
+        match action {
+            SyncAction::Stage { key, kind, .. } => {
+                let layer = layer.expect("a staged layer");
+                let buf = self.staging.entry(key).or_default();
+                for p in layer.layer.params() {
+                    buf.extend_from_slice(match kind {
+                        SyncKind::Gradients => &p.grad,
+                        SyncKind::Parameters => &p.value,
+                    });
+                }
+            }
+            SyncAction::Launch { key, layers, .. } => {
+                let buf = self.staging.remove(&key).unwrap_or_default();
+                let launched = Instant::now();
+                let handle = self.collective.all_reduce_mean(self.rank, key, buf)?;
+                self.in_flight.insert(
+                    key,
+                    InFlight {
+                        layers,
+                        handle,
+                        launched,
+                    },
+                );
+            }
+            SyncAction::Wait { key } => {
+                let f = self
+                    .in_flight
+                    .remove(&key)
+                    .expect("the machine waits only for launched collectives");
+                let values = f.handle.wait()?;
+                if self.rank == 0 {
+                    log_sync(&f.layers, key.bucket, f.launched, values.len() * 4, |l| {
+                        self.layer_names[l].clone()
+                    });
+                }
+                self.landed.insert(
+                    key,
+                    Landed {
+                        values,
+                        slices_left: f.layers.len(),
+                    },
+                );
+            }
+            SyncAction::Apply {
+                key,
+                layer: index,
+                offset,
+                kind,
+                ..
+            } => {
+                let layer = layer.expect("an applied layer");
+                let landed = self
+                    .landed
+                    .get_mut(&key)
+                    .expect("the machine applies only waited collectives");
+                let mut off = offset;
+                for p in layer.layer.params_mut() {
+                    let n = p.value.len();
+                    let dst = match kind {
+                        SyncKind::Gradients => &mut p.grad,
+                        SyncKind::Parameters => &mut p.value,
+                    };
+                    dst.copy_from_slice(&landed.values[off..off + n]);
+                    off += n;
+                }
+                landed.slices_left -= 1;
+                if landed.slices_left == 0 {
+                    self.landed.remove(&key);
+                }
+                if self.rank == 0 {
+                    *self
+                        .syncs
+                        .entry(self.layer_names[index].clone())
+                        .or_default() += 1;
+                }
+            }
+            SyncAction::StepLayer { layer: index } => {
+                step_layer(opts, index, layer.expect("a stepped layer"), lr);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs every pending action of `machine` that touches any layer of `model`.
+    fn drain(
+        &mut self,
+        machine: &mut WorkerSyncMachine,
+        model: &mut Model,
+        opts: &mut [Option<LayerOptimizer>],
+        lr: f32,
+    ) -> Result<(), CollectiveError> {
+        while let Some(action) = machine.poll() {
+            let layer = action.layer().map(|l| &mut model.layers[l]);
+            self.execute(action, layer, opts, lr)?;
+        }
+        Ok(())
+    }
 }
 
 fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
@@ -321,32 +450,20 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         cfg.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)),
     );
     let mut batch = Batch::default();
-    let buckets = sh.plan.buckets().to_vec();
-    let mut bucket_of = vec![usize::MAX; model.layers.len()];
-    for (b, bucket) in buckets.iter().enumerate() {
-        for &l in &bucket.layers {
-            bucket_of[l] = b;
-        }
-    }
-    let mut syncs: BTreeMap<String, u64> = infos.iter().map(|i| (i.name.clone(), 0)).collect();
+    let layer_names: Vec<String> = model.layers.iter().map(|l| l.name.clone()).collect();
+    let mut machine = WorkerSyncMachine::new(&sh.plan);
+    let mut exec = SyncExecutor {
+        rank,
+        collective: sh.collective.as_ref(),
+        layer_names: &layer_names,
+        staging: BTreeMap::new(),
+        in_flight: BTreeMap::new(),
+        landed: BTreeMap::new(),
+        syncs: infos.iter().map(|i| (i.name.clone(), 0)).collect(),
+    };
     let mut train_seconds = 0.0f64;
     let mut loss_sum = 0.0f64;
     let mut loss_count = 0u64;
-    let mut staging: Vec<Vec<f32>> = vec![Vec::new(); buckets.len()];
-    let mut due_left = vec![0usize; buckets.len()];
-    let mut in_flight: Vec<InFlight> = Vec::new();
-    // DreamDDP: averages launched at an earlier step, per bucket, waited at the layer's next step.
-    let mut deferred: Vec<Option<InFlight>> = (0..buckets.len()).map(|_| None).collect();
-    // DreamDDP: a landed average and the (layer, offset) slices still to be written.
-    let mut landed: Vec<Option<(Vec<f32>, Vec<(usize, usize)>)>> = vec![None; buckets.len()];
-    let layer_len: Vec<usize> = model
-        .layers
-        .iter()
-        .map(|l| l.layer.params().iter().map(|p| p.len()).sum())
-        .collect();
-    let strategy = cfg.strategy;
-    let all_layers: Vec<usize> = infos.iter().rev().map(|i| i.index).collect();
-    let layer_names: Vec<String> = model.layers.iter().map(|l| l.name.clone()).collect();
 
     for step in 0..cfg.steps {
         let lr = schedule.lr_at(step);
@@ -356,6 +473,7 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         task.fill_batch(&mut batch, &mut rng, cfg.batch);
 
         let t0 = Instant::now();
+        machine.begin_step(step);
         let logits = model.forward(&batch.input, true);
         let (loss, grad) = softmax_cross_entropy(&logits, &batch.targets);
         if !loss.is_finite() {
@@ -364,195 +482,33 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         loss_sum += loss as f64;
         loss_count += 1;
 
-        // Which layers of each bucket sync at this step.
-        for (b, bucket) in buckets.iter().enumerate() {
-            staging[b].clear();
-            due_left[b] = match strategy {
-                Strategy::Wfbp => bucket.layers.len(),
-                Strategy::DreamDdp => bucket
-                    .layers
-                    .iter()
-                    .filter(|&&l| sh.plan.is_due(step, l))
-                    .count(),
-                Strategy::Ssgd | Strategy::LocalSgd => 0,
-            };
-        }
-        let mut launch_error: Option<CollectiveError> = None;
+        // The machine's per-layer actions touch only the layer of the hook, so they run
+        // inside it: a launch overlaps the rest of backward, a wait blocks it.
+        let mut hook_error: Option<CollectiveError> = None;
         {
-            let collective = &sh.collective;
-            let plan = &sh.plan;
+            let machine = &mut machine;
+            let exec = &mut exec;
             let opts = &mut opts;
-            let staging = &mut staging;
-            let due_left = &mut due_left;
-            let in_flight = &mut in_flight;
-            let buckets = &buckets;
-            let bucket_of = &bucket_of;
-            let launch_error = &mut launch_error;
-            let deferred = &mut deferred;
-            let landed = &mut landed;
-            let layer_len = &layer_len;
-            let syncs = &mut syncs;
-            let layer_name_of = |l: usize| layer_names[l].clone();
+            let hook_error = &mut hook_error;
             let mut hook = |idx: usize, layer: &mut NamedLayer| {
-                if strategy == Strategy::DreamDdp {
-                    let b = bucket_of[idx];
-                    if let Some(f) = deferred[b].take() {
-                        match f.handle.wait() {
-                            Ok(avg) => {
-                                let mut off = 0;
-                                let mut slices = Vec::with_capacity(f.layers.len());
-                                for &l in &f.layers {
-                                    slices.push((l, off));
-                                    off += layer_len[l];
-                                }
-                                if rank == 0 {
-                                    log_sync(
-                                        &f.layers,
-                                        f.bucket,
-                                        f.launched,
-                                        off * 4,
-                                        layer_name_of,
-                                    );
-                                    for &l in &f.layers {
-                                        *syncs.entry(layer_name_of(l)).or_default() += 1;
-                                    }
-                                }
-                                landed[b] = Some((avg, slices));
-                            }
-                            Err(e) => {
-                                launch_error.get_or_insert(e);
-                            }
-                        }
+                machine.layer_grads_ready(idx);
+                while let Some(action) = machine.poll() {
+                    if hook_error.is_some() {
+                        continue;
                     }
-                    if let Some((avg, slices)) = landed[b].as_mut() {
-                        if let Some(pos) = slices.iter().position(|(l, _)| *l == idx) {
-                            let (_, mut off) = slices.swap_remove(pos);
-                            for p in layer.layer.params_mut() {
-                                let n = p.value.len();
-                                p.value.copy_from_slice(&avg[off..off + n]);
-                                off += n;
-                            }
-                        }
-                        if slices.is_empty() {
-                            landed[b] = None;
-                        }
-                    }
-                }
-                let is_due = match strategy {
-                    Strategy::Ssgd => false,
-                    Strategy::Wfbp => true,
-                    Strategy::LocalSgd => {
-                        step_layer(opts, idx, layer, lr);
-                        false
-                    }
-                    Strategy::DreamDdp => {
-                        step_layer(opts, idx, layer, lr);
-                        plan.is_due(step, idx)
-                    }
-                };
-                if !is_due {
-                    return;
-                }
-                let b = bucket_of[idx];
-                let buf = &mut staging[b];
-                for p in layer.layer.params() {
-                    buf.extend_from_slice(if strategy == Strategy::Wfbp {
-                        &p.grad
-                    } else {
-                        &p.value
-                    });
-                }
-                due_left[b] -= 1;
-                if due_left[b] == 0 {
-                    let layers: Vec<usize> = buckets[b]
-                        .layers
-                        .iter()
-                        .copied()
-                        .filter(|&l| strategy == Strategy::Wfbp || plan.is_due(step, l))
-                        .collect();
-                    let key = ReduceKey {
-                        step,
-                        bucket: b as u32,
-                    };
-                    match collective.all_reduce_mean(rank, key, std::mem::take(buf)) {
-                        Ok(handle) => {
-                            let f = InFlight {
-                                bucket: b as u32,
-                                layers,
-                                handle,
-                                launched: Instant::now(),
-                            };
-                            if strategy == Strategy::DreamDdp {
-                                deferred[b] = Some(f);
-                            } else {
-                                in_flight.push(f);
-                            }
-                        }
-                        Err(e) => {
-                            launch_error.get_or_insert(e);
-                        }
+                    debug_assert!(action.layer().is_none_or(|l| l == idx));
+                    if let Err(e) = exec.execute(action, Some(&mut *layer), opts, lr) {
+                        *hook_error = Some(e);
                     }
                 }
             };
             model.backward_with_hook(&grad, &mut hook);
         }
-        if let Some(e) = launch_error {
+        if let Some(e) = hook_error {
             return Err(e.into());
         }
-
-        // Blocking strategies: one bucket with every layer (gradients for ssgd, parameters
-        // for localsgd at the end of each period).
-        let whole_model = match strategy {
-            Strategy::Ssgd => Some(true),
-            Strategy::LocalSgd if (step + 1) % sh.plan.period() == 0 => Some(false),
-            _ => None,
-        };
-        if let Some(grads) = whole_model {
-            let mut flat = Vec::with_capacity(model.param_count());
-            for &l in &all_layers {
-                for p in model.layers[l].layer.params() {
-                    flat.extend_from_slice(if grads { &p.grad } else { &p.value });
-                }
-            }
-            let launched = Instant::now();
-            let handle =
-                sh.collective
-                    .all_reduce_mean(rank, ReduceKey { step, bucket: 0 }, flat)?;
-            in_flight.push(InFlight {
-                bucket: 0,
-                layers: all_layers.clone(),
-                handle,
-                launched,
-            });
-        }
-
-        // Wait for every launched bucket and write the averages back.
-        for f in in_flight.drain(..) {
-            let averaged = f.handle.wait()?;
-            let grads = matches!(strategy, Strategy::Ssgd | Strategy::Wfbp);
-            let mut off = 0;
-            for &l in &f.layers {
-                for p in model.layers[l].layer.params_mut() {
-                    let n = p.value.len();
-                    let dst = if grads { &mut p.grad } else { &mut p.value };
-                    dst.copy_from_slice(&averaged[off..off + n]);
-                    off += n;
-                }
-                if rank == 0 {
-                    *syncs.entry(model.layers[l].name.clone()).or_default() += 1;
-                }
-            }
-            if rank == 0 {
-                log_sync(&f.layers, f.bucket, f.launched, off * 4, |l| {
-                    model.layers[l].name.clone()
-                });
-            }
-        }
-        if matches!(strategy, Strategy::Ssgd | Strategy::Wfbp) {
-            for &l in &all_layers {
-                step_layer(&mut opts, l, &mut model.layers[l], lr);
-            }
-        }
+        machine.backward_done();
+        exec.drain(&mut machine, &mut model, &mut opts, lr)?;
         train_seconds += t0.elapsed().as_secs_f64();
         if rank == 0 {
             (sh.progress)(step + 1, loss);
@@ -584,22 +540,13 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
     }
     // DreamDDP: land the averages still in flight after the last step.
     let drain_started = Instant::now();
-    for f in deferred.iter_mut().filter_map(Option::take) {
-        let avg = f.handle.wait()?;
-        let mut off = 0;
-        for &l in &f.layers {
-            model.set_layer_values(l, &avg[off..off + layer_len[l]]);
-            off += layer_len[l];
-            if rank == 0 {
-                *syncs.entry(model.layers[l].name.clone()).or_default() += 1;
-            }
-        }
-    }
+    machine.finish();
+    exec.drain(&mut machine, &mut model, &mut opts, 0.0)?;
     train_seconds += drain_started.elapsed().as_secs_f64();
     Ok(WorkerResult {
         final_params: model.flat_values(),
         train_seconds,
-        syncs,
+        syncs: exec.syncs,
     })
 }
 

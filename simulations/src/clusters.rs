@@ -36,18 +36,23 @@
 //! union of its workers' batches. The time of a step is that of one worker on `batch` samples
 //! (workers run in parallel) plus the intra-cluster ring all-reduce of the gradients on a FIFO
 //! interconnect: after backward for `ssgd`; per DDP bucket as its gradients are ready for
-//! `wfbp`; per layer from the backward hook for `localsgd` and `dreamddp`, whose layer is
-//! stepped (and, for dreamddp, its sync launched) once its reduce is done. Replicas
+//! `wfbp`; per layer from the backward hook for `localsgd` and `dreamddp`. Replicas
 //! are combined with weights proportional to their workers, which makes every average equal to
 //! the flat average over all workers. A hierarchical all-reduce's final intra-cluster broadcast
 //! is folded into the one intra-cluster all-reduce.
 //!
-//! # Strategies across clusters (mirroring `gpu-worker`'s trainer)
+//! # Strategies across clusters: the trainer's own sync machine
+//!
+//! What is synchronized when is not modelled here: every cluster drives its own
+//! [`WorkerSyncMachine`](gpu_worker::sync_machine::WorkerSyncMachine), the sans-IO state machine
+//! `gpu-worker`'s trainer drives, with the strategy's plan, and executes its actions; its
+//! collectives are the inter-cluster all-reduces (see `sim` for the virtual time of each
+//! action). So the strategies behave as in the trainer:
 //!
 //! | strategy | math | virtual time |
 //! |---|---|---|
-//! | `ssgd` | average gradients, step | lockstep: slowest forward+backward, intra reduce, then one inter all-reduce of every gradient |
-//! | `wfbp` | average gradients, step | lockstep: each DDP bucket's inter all-reduce launched when all clusters have it reduced; step ends when backward and the last bucket are done |
+//! | `ssgd` | average gradients, step | after backward: one inter all-reduce of every gradient, waited before the steps |
+//! | `wfbp` | average gradients, step | each DDP bucket's inter all-reduce launched in backward when its gradients are reduced in every cluster; all waited before the steps |
 //! | `localsgd` | local steps; every H steps average all parameters | clusters run free; every H-th step a blocking inter all-reduce of all parameters |
 //! | `dreamddp` | local steps; each bucket's parameters averaged at its scheduled step, the average written just before the layer's next optimizer step | a due bucket's all-reduce starts when every cluster has stepped its layers; a cluster waits for it at the bucket's first layer in the next backward (the wait blocks the rest of that backward, as the trainer's hook does) |
 //!
@@ -60,8 +65,10 @@
 //! Every `eval_every_s` virtual seconds the global model (the weighted average of the replicas)
 //! is evaluated as it stood at that instant: the state after the last step that every cluster
 //! had finished by then. `time_to_target_s` is the first evaluation time meeting the target
-//! (accuracy ≥ target, or loss ≤ target for language models). Bytes are counted per link class
-//! (`inter-cluster` on the wire with retransmissions, `intra-cluster` by ring accounting).
+//! (accuracy ≥ target, or loss ≤ target for language models); with `stop_at_target` the run
+//! ends with the state that evaluation saw, at the end of the last step before it. Bytes are
+//! counted per link class (`inter-cluster` on the wire with retransmissions, `intra-cluster`
+//! by ring accounting).
 //! The timeline holds the first [`TIMELINE_CAP`] per-layer inter-cluster syncs. Staleness is the
 //! number of optimizer steps between a parameter average's cut and its landing (0 for the
 //! blocking strategies, 1 for dreamddp). `wall_seconds` is left at 0: this module never reads
@@ -71,6 +78,7 @@
 //! fixed, so the same scenario and seed give identical results.
 
 mod fabric;
+mod rendezvous;
 mod sim;
 
 use std::collections::BTreeMap;

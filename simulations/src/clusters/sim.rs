@@ -1,7 +1,40 @@
-//! The clusters simulation loop: per step, first the virtual-time accounting of every cluster
-//! and of the fabric (which does not depend on the numbers being trained), then the real
-//! math on the replicas (forward, backward, averaging, optimizer steps). Evaluations that fall
-//! inside a step's time span see the state before that step's math.
+//! The clusters simulation loop. Every cluster is one replica driven by its own
+//! [`WorkerSyncMachine`] — the sans-IO machine `gpu-worker`'s trainer drives — executing the
+//! strategy's [`SyncPlan`]; the machine's collectives are the inter-cluster collectives. This
+//! module decides nothing about synchronization: it supplies virtual time (per-layer compute
+//! from the compute model, the intra-cluster gradient all-reduce of a hierarchical DDP, the
+//! fabric under the inter-cluster collectives) and executes the machine's actions on the
+//! replicas.
+//!
+//! # One step
+//!
+//! Each cluster runs the real forward and backward on its replica, then feeds its machine
+//! `begin_step`, the backward hook of every parameterized layer in backward order (at the
+//! virtual time that layer's gradient is computed) and `backward_done`, executing the actions
+//! after each input. A hook's actions touch only its own layer, which backward does not read
+//! again, so executing them after the real backward computes the numbers the trainer computes
+//! by executing them inside it. A `Wait` on a collective that not every cluster has joined
+//! stops that cluster; the collectives every cluster has joined are then resolved on the fabric
+//! in launch order ([`Rendezvous`]) and the stopped clusters go on.
+//!
+//! # Virtual time of the actions
+//!
+//! A cluster's compute stream is at `t`. Inside the cluster a layer's gradient is all-reduced
+//! over the interconnect (FIFO) once its gradient bucket is computed: per DDP bucket for
+//! `wfbp`, the whole model after backward for `ssgd`, per layer for `localsgd` and
+//! `dreamddp`; the layer's *cluster gradient* exists when that reduce ends.
+//!
+//! | action | time |
+//! |---|---|
+//! | `Stage` | none (the data is copied) |
+//! | `Launch` | the cluster joins at `max(t, data ready)`: gradients when their cluster gradient exists, parameters when their optimizer step ran |
+//! | `Wait` | `t = max(t, end of the collective)`: it blocks the compute stream, as the trainer's wait blocks its thread |
+//! | `Apply` | none |
+//! | `StepLayer` | runs at `max(t, the layer's cluster gradient)` without blocking the compute stream |
+//!
+//! A cluster's step ends at `max(t, end of its intra-cluster reduces)`, and its next step
+//! starts there. Evaluations that fall inside a step's time span (up to the latest cluster's
+//! end) see the state before that step: the replicas' weighted mean snapshotted at its start.
 
 use std::collections::BTreeMap;
 
@@ -11,6 +44,8 @@ use engine::model::Model;
 use engine::optim::OptimizerConfig;
 use engine::plan::{PlanConfig, Strategy, SyncPlan};
 use engine::schedule::{LayerProfile, ModelProfile};
+use gpu_worker::collective::ReduceKey;
+use gpu_worker::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
 use gpu_worker::task::{ModelKind, Task};
 
 use crate::compute::StepTimes;
@@ -21,15 +56,13 @@ use crate::scenario::Scenario;
 use crate::time::{SimDuration, SimTime};
 
 use super::fabric::{CollectiveSpan, Fabric, IntraNet};
+use super::rendezvous::{Rendezvous, Resolved};
 use super::{ClusterSetup, ClustersError, ClustersSpec, TIMELINE_CAP};
-
-/// Sentinel for "no bucket" in per-layer lookup tables.
-const NO_BUCKET: usize = usize::MAX;
 
 /// Node name of inter-cluster sync events in the timeline.
 const INTER_NODE: &str = "inter-cluster";
 
-/// One cluster: its replica, compute model, clocks and per-step scratch.
+/// One cluster: its replica and sync machine, compute model, clocks and per-step scratch.
 struct ClusterState {
     setup: ClusterSetup,
     intra: IntraNet,
@@ -40,18 +73,28 @@ struct ClusterState {
     backward_ns: Vec<u64>,
     rng: SimRng,
     replica: Replica,
+    machine: WorkerSyncMachine,
     /// When the cluster can start its next step.
     clock: SimTime,
+    /// Its compute stream during a step.
+    now: SimTime,
     /// When the intra-cluster interconnect is free.
     intra_free: SimTime,
-    /// Per model layer: when its gradient was computed this step.
-    grad_ready: Vec<SimTime>,
-    /// Per model layer: when its optimizer step could run this step (dreamddp).
+    /// Per model layer: when its cluster gradient (intra-cluster reduce) exists this step.
+    grad_avail: Vec<SimTime>,
+    /// Per model layer: when its optimizer step last ran.
     stepped_at: Vec<SimTime>,
-    /// Per intra bucket: when its intra-cluster all-reduce ended this step.
-    intra_done: Vec<SimTime>,
-    /// Per plan bucket: when this cluster joined its inter-cluster all-reduce this step.
-    joined: Vec<SimTime>,
+    /// Buffers staged for collectives not yet launched.
+    staging: BTreeMap<ReduceKey, Vec<f32>>,
+    /// The `Wait` the cluster is stopped at.
+    blocked: Option<SyncAction>,
+}
+
+/// What a cluster's time is computed from: its setup, interconnect and nominal layer times.
+struct ClusterModel {
+    setup: ClusterSetup,
+    intra: IntraNet,
+    nominal: StepTimes,
 }
 
 /// A prepared simulation of one strategy.
@@ -63,23 +106,20 @@ pub(super) struct Simulation<'a> {
     clusters: Vec<ClusterState>,
     /// Averaging weight of each cluster (its share of the workers).
     weights: Vec<f32>,
-    plan: SyncPlan,
     /// Gradient buckets reduced inside a cluster, backward order.
     intra_buckets: Vec<Bucket>,
-    intra_bucket_of: Vec<usize>,
+    /// Per model layer: the intra bucket it closes (its last layer in backward order).
+    intra_closes: Vec<Option<usize>>,
     /// Parameterized layer indices, forward order.
     units: Vec<usize>,
     layer_len: Vec<usize>,
-    total_bytes: u64,
     layer_names: Vec<String>,
     fabric: Fabric,
-    /// dreamddp: per plan bucket, when the average in flight lands.
-    pending_end: Vec<Option<SimTime>>,
-    /// dreamddp: per model layer, the average in flight (written before its next step).
-    pending_avg: Vec<Option<Vec<f32>>>,
+    rendezvous: Rendezvous,
     intra_bytes: u64,
     timeline: Vec<SyncEvent>,
     staleness: BTreeMap<u64, u64>,
+    /// The replicas' weighted mean at the start of the current step (what evaluations see).
     global: Model,
     scratch: Vec<f32>,
 }
@@ -117,7 +157,7 @@ fn optimizer_for(scenario: &Scenario, task: &Task) -> Result<OptimizerConfig, Cl
 }
 
 impl<'a> Simulation<'a> {
-    /// Builds replicas, compute models, links and the sync plan.
+    /// Builds replicas, compute models, links, the sync plan and a machine per cluster.
     pub(super) fn new(
         scenario: &'a Scenario,
         spec: &ClustersSpec,
@@ -172,43 +212,22 @@ impl<'a> Simulation<'a> {
         let layer_names: Vec<String> = global.layers.iter().map(|l| l.name.clone()).collect();
         let infos = global.layer_infos();
         let units: Vec<usize> = infos.iter().map(|i| i.index).collect();
-        let total_bytes: u64 = infos.iter().map(|i| i.params as u64 * 4).sum();
-
-        let intra_plan = SyncPlan::new(
-            &global.name,
-            &infos,
-            &PlanConfig::new(Strategy::Wfbp, scenario.period),
-            None,
-        )?;
-        // wfbp reduces DDP buckets inside a cluster too; the parameter-averaging strategies
-        // reduce each layer's gradient from the backward hook (so a layer can be stepped, and
-        // for dreamddp its sync launched, as soon as possible); ssgd reduces after backward.
-        let intra_buckets = match strategy {
-            Strategy::LocalSgd | Strategy::DreamDdp => infos
-                .iter()
-                .rev()
-                .enumerate()
-                .map(|(id, info)| Bucket {
-                    id,
-                    layers: vec![info.index],
-                    params: info.params,
-                })
-                .collect(),
-            Strategy::Ssgd | Strategy::Wfbp => intra_plan.buckets().to_vec(),
-        };
 
         let mut clusters = Vec::with_capacity(world);
+        let mut replicas = Vec::with_capacity(world);
         for (rank, setup) in setups.into_iter().enumerate() {
-            let replica = Replica::new(
-                task,
-                scenario.seed,
-                rank,
-                world,
-                setup.workers * scenario.batch,
-                &optimizer,
-                schedule,
-            )
-            .map_err(ClustersError::Replica)?;
+            replicas.push(
+                Replica::new(
+                    task,
+                    scenario.seed,
+                    rank,
+                    world,
+                    setup.workers * scenario.batch,
+                    &optimizer,
+                    schedule,
+                )
+                .map_err(ClustersError::Replica)?,
+            );
             let intra = IntraNet {
                 workers: setup.workers,
                 bits_per_sec: spec.intra_bandwidth.bits_per_sec(),
@@ -216,20 +235,10 @@ impl<'a> Simulation<'a> {
                     .unwrap_or(SimDuration::ZERO),
             };
             let nominal = StepTimes::from_macs(&setup.device, &macs, samples);
-            clusters.push(ClusterState {
-                rng: root.fork(&format!("compute:{}", setup.name)),
+            clusters.push(ClusterModel {
                 setup,
                 intra,
                 nominal,
-                forward_ns: vec![0; layer_count],
-                backward_ns: vec![0; layer_count],
-                replica,
-                clock: SimTime::ZERO,
-                intra_free: SimTime::ZERO,
-                grad_ready: vec![SimTime::ZERO; layer_count],
-                stepped_at: vec![SimTime::ZERO; layer_count],
-                intra_done: vec![SimTime::ZERO; intra_buckets.len()],
-                joined: Vec::new(),
             });
         }
 
@@ -251,33 +260,76 @@ impl<'a> Simulation<'a> {
             None
         };
         let plan = SyncPlan::new(&global.name, &infos, &config, profile.as_ref())?;
-        let plan_buckets = plan.buckets().len();
-        for c in &mut clusters {
-            c.joined = vec![SimTime::ZERO; plan_buckets];
-        }
-        let bucket_index = |buckets: &[Bucket]| {
-            let mut of = vec![NO_BUCKET; layer_count];
-            for (b, bucket) in buckets.iter().enumerate() {
-                for &l in &bucket.layers {
-                    of[l] = b;
-                }
-            }
-            of
+
+        // Inside a cluster: wfbp reduces the DDP buckets of its plan; ssgd the whole model
+        // after backward; the parameter-averaging strategies each layer's gradient from the
+        // backward hook (so a layer can be stepped, and for dreamddp its sync launched, as
+        // soon as possible).
+        let intra_buckets: Vec<Bucket> = match strategy {
+            Strategy::Wfbp => plan.buckets().to_vec(),
+            Strategy::Ssgd => vec![Bucket {
+                id: 0,
+                layers: infos.iter().rev().map(|i| i.index).collect(),
+                params: infos.iter().map(|i| i.params).sum(),
+            }],
+            Strategy::LocalSgd | Strategy::DreamDdp => infos
+                .iter()
+                .rev()
+                .enumerate()
+                .map(|(id, info)| Bucket {
+                    id,
+                    layers: vec![info.index],
+                    params: info.params,
+                })
+                .collect(),
         };
+        let mut intra_closes = vec![None; layer_count];
+        for (b, bucket) in intra_buckets.iter().enumerate() {
+            let last = *bucket.layers.last().expect("buckets are not empty");
+            intra_closes[last] = Some(b);
+        }
+
+        let clusters = clusters
+            .into_iter()
+            .zip(replicas)
+            .map(
+                |(
+                    ClusterModel {
+                        setup,
+                        intra,
+                        nominal,
+                    },
+                    replica,
+                )| ClusterState {
+                    rng: root.fork(&format!("compute:{}", setup.name)),
+                    setup,
+                    intra,
+                    nominal,
+                    forward_ns: vec![0; layer_count],
+                    backward_ns: vec![0; layer_count],
+                    replica,
+                    machine: WorkerSyncMachine::new(&plan),
+                    clock: SimTime::ZERO,
+                    now: SimTime::ZERO,
+                    intra_free: SimTime::ZERO,
+                    grad_avail: vec![SimTime::ZERO; layer_count],
+                    stepped_at: vec![SimTime::ZERO; layer_count],
+                    staging: BTreeMap::new(),
+                    blocked: None,
+                },
+            )
+            .collect();
         Ok(Self {
             scenario,
             task,
             strategy,
             stop_at_target: spec.stop_at_target,
+            rendezvous: Rendezvous::new(weights.clone()),
             weights,
-            intra_bucket_of: bucket_index(&intra_buckets),
-            pending_end: vec![None; plan_buckets],
-            pending_avg: vec![None; layer_count],
-            plan,
             intra_buckets,
+            intra_closes,
             units,
             layer_len,
-            total_bytes,
             layer_names,
             fabric,
             clusters,
@@ -307,12 +359,14 @@ impl<'a> Simulation<'a> {
         let mut next_eval = SimTime::ZERO;
         let mut now = SimTime::ZERO;
         let mut steps_done = 0u64;
+        let mut stopped = false;
         for step in 0..scenario.max_steps {
             if now >= max_t {
                 break;
             }
             let bytes_before = self.bytes_sent();
-            let end = self.time_step(step)?;
+            self.snapshot();
+            let end = self.step(step)?;
             while next_eval < end && next_eval <= max_t {
                 let point = self.evaluate(next_eval, bytes_before, steps_done);
                 if time_to_target.is_none() && self.meets_target(&point) {
@@ -322,27 +376,24 @@ impl<'a> Simulation<'a> {
                 next_eval += every;
             }
             if self.stop_at_target && time_to_target.is_some() {
+                // The run ends with the state the target was reached with.
+                stopped = true;
                 break;
             }
-            self.math_step(step)?;
             steps_done += 1;
             now = end;
             let fraction = (steps_done as f64 / scenario.max_steps as f64)
                 .max(now.as_secs_f64() / scenario.max_virtual_s);
             progress(fraction.min(1.0));
         }
-        // dreamddp: land the averages still in flight.
-        let mut final_time = now;
-        for end in self.pending_end.iter_mut().filter_map(Option::take) {
-            final_time = final_time.max(end);
-        }
-        for layer in 0..self.pending_avg.len() {
-            if let Some(avg) = self.pending_avg[layer].take() {
-                for c in &mut self.clusters {
-                    c.replica.model.set_layer_values(layer, &avg);
-                }
-            }
-        }
+        let final_time = if stopped {
+            now
+        } else {
+            // dreamddp: land the averages still in flight.
+            let drained = self.finish()?;
+            self.snapshot();
+            now.max(drained)
+        };
         let bytes = self.bytes_sent();
         let last = self.evaluate(final_time, bytes, steps_done);
         if time_to_target.is_none() && self.meets_target(&last) {
@@ -391,8 +442,8 @@ impl<'a> Simulation<'a> {
         }
     }
 
-    /// Evaluates the weighted average of the replicas, recorded at virtual time `at`.
-    fn evaluate(&mut self, at: SimTime, bytes_sent: u64, steps: u64) -> SeriesPoint {
+    /// Writes the weighted mean of the replicas into the global model.
+    fn snapshot(&mut self) {
         for i in 0..self.units.len() {
             let layer = self.units[i];
             average_layer(
@@ -400,11 +451,14 @@ impl<'a> Simulation<'a> {
                 &self.weights,
                 layer,
                 self.layer_len[layer],
-                false,
                 &mut self.scratch,
             );
             self.global.set_layer_values(layer, &self.scratch);
         }
+    }
+
+    /// Evaluates the last [`Self::snapshot`], recorded at virtual time `at`.
+    fn evaluate(&mut self, at: SimTime, bytes_sent: u64, steps: u64) -> SeriesPoint {
         let eval = self
             .task
             .evaluate(&mut self.global, Some(self.scenario.eval_limit));
@@ -428,148 +482,120 @@ impl<'a> Simulation<'a> {
         }
     }
 
-    /// The virtual-time accounting of step `step`; returns when every cluster finished it.
-    fn time_step(&mut self, step: u64) -> Result<SimTime, ClustersError> {
+    /// Step `step` on every cluster; returns when the latest cluster finished it.
+    fn step(&mut self, step: u64) -> Result<SimTime, ClustersError> {
         self.draw_compute_times();
-        match self.strategy {
-            Strategy::Ssgd => self.time_ssgd(),
-            Strategy::Wfbp => self.time_wfbp(),
-            Strategy::LocalSgd => self.time_localsgd(step),
-            Strategy::DreamDdp => self.time_dreamddp(step),
+        for ci in 0..self.clusters.len() {
+            self.forward_backward(ci, step)?;
         }
-    }
-
-    fn lockstep_start(&self) -> SimTime {
-        self.clusters
-            .iter()
-            .map(|c| c.clock)
-            .max()
-            .unwrap_or(SimTime::ZERO)
-    }
-
-    fn time_ssgd(&mut self) -> Result<SimTime, ClustersError> {
-        let start = self.lockstep_start();
-        let mut ready = start;
+        self.settle()?;
+        let mut end = SimTime::ZERO;
         for c in &mut self.clusters {
-            let backward_end = walk(c, start, |_, t| t);
-            let reduced = backward_end + c.intra.all_reduce_time(self.total_bytes);
-            self.intra_bytes += c.intra.all_reduce_bytes(self.total_bytes);
-            c.intra_free = reduced;
-            ready = ready.max(reduced);
-        }
-        let span = self.fabric.all_reduce(ready, self.total_bytes)?;
-        let units = self.units.clone();
-        self.record_sync(span, &units, 0);
-        for c in &mut self.clusters {
-            c.clock = span.end;
-        }
-        Ok(span.end)
-    }
-
-    fn time_wfbp(&mut self) -> Result<SimTime, ClustersError> {
-        let start = self.lockstep_start();
-        let mut end = start;
-        for c in &mut self.clusters {
-            let backward_end = walk(c, start, |_, t| t);
-            let intra_end = intra_reduce(c, &self.intra_buckets, &mut self.intra_bytes);
-            end = end.max(backward_end).max(intra_end);
-        }
-        // The wfbp plan's buckets are the intra buckets.
-        for b in 0..self.intra_buckets.len() {
-            let ready = self
-                .clusters
-                .iter()
-                .map(|c| c.intra_done[b])
-                .max()
-                .unwrap_or(start);
-            let bytes = self.intra_buckets[b].bytes() as u64;
-            let span = self.fabric.all_reduce(ready, bytes)?;
-            let layers = self.intra_buckets[b].layers.clone();
-            self.record_sync(span, &layers, 0);
-            end = end.max(span.end);
-        }
-        for c in &mut self.clusters {
-            c.clock = end;
+            c.clock = c.now.max(c.intra_free);
+            c.replica.steps += 1;
+            end = end.max(c.clock);
         }
         Ok(end)
     }
 
-    fn time_localsgd(&mut self, step: u64) -> Result<SimTime, ClustersError> {
-        for c in &mut self.clusters {
-            let backward_end = walk(c, c.clock, |_, t| t);
-            let intra_end = intra_reduce(c, &self.intra_buckets, &mut self.intra_bytes);
-            c.clock = backward_end.max(intra_end);
-        }
-        if (step + 1).is_multiple_of(self.plan.period()) {
-            let ready = self.lockstep_start();
-            let span = self.fabric.all_reduce(ready, self.total_bytes)?;
-            let units = self.units.clone();
-            self.record_sync(span, &units, 0);
-            for c in &mut self.clusters {
-                c.clock = span.end;
-            }
-        }
-        Ok(self.lockstep_start())
-    }
-
-    fn time_dreamddp(&mut self, step: u64) -> Result<SimTime, ClustersError> {
-        let buckets = self.plan.buckets();
-        // The average launched for bucket b is waited at b's first layer in backward order.
-        let mut wait_at: Vec<Option<SimTime>> = vec![None; self.layer_len.len()];
-        for (b, bucket) in buckets.iter().enumerate() {
-            if let Some(end) = self.pending_end[b].take() {
-                wait_at[bucket.layers[0]] = Some(end);
-            }
-        }
-        let due: Vec<bool> = buckets
-            .iter()
-            .map(|bucket| self.plan.is_due(step, bucket.layers[0]))
-            .collect();
-        for c in &mut self.clusters {
-            let start = c.clock;
-            let backward_end = walk(c, start, |layer, t| match wait_at[layer] {
-                Some(end) => t.max(end),
-                None => t,
+    /// Cluster `ci`'s forward and backward: the real math, then the machine's inputs at
+    /// their virtual times with their actions executed (up to a blocking wait).
+    fn forward_backward(&mut self, ci: usize, step: u64) -> Result<(), ClustersError> {
+        let c = &mut self.clusters[ci];
+        c.machine.begin_step(step);
+        let loss = c.replica.forward_backward(&mut |_, _| {});
+        if !loss.is_finite() {
+            return Err(ClustersError::Diverged {
+                step,
+                cluster: c.setup.name.clone(),
+                loss,
             });
-            let intra_end = intra_reduce(c, &self.intra_buckets, &mut self.intra_bytes);
-            for &layer in &self.units {
-                let b = self.intra_bucket_of[layer];
-                c.stepped_at[layer] = c.stepped_at[layer].max(c.intra_done[b]);
+        }
+        let mut t = c.clock;
+        for &ns in &c.forward_ns {
+            t += SimDuration(ns);
+        }
+        let mut above = c.backward_ns.len();
+        for &layer in self.units.iter().rev() {
+            for &ns in &c.backward_ns[layer..above] {
+                t += SimDuration(ns);
             }
-            for (b, bucket) in buckets.iter().enumerate() {
-                if due[b] {
-                    c.joined[b] = bucket
-                        .layers
-                        .iter()
-                        .map(|&l| c.stepped_at[l])
-                        .max()
-                        .unwrap_or(start);
+            above = layer;
+            if let Some(b) = self.intra_closes[layer] {
+                let bucket = &self.intra_buckets[b];
+                let bytes = bucket.bytes() as u64;
+                let start = t.max(c.intra_free);
+                c.intra_free = start + c.intra.all_reduce_time(bytes);
+                self.intra_bytes += c.intra.all_reduce_bytes(bytes);
+                for &l in &bucket.layers {
+                    c.grad_avail[l] = c.intra_free;
                 }
             }
-            c.clock = backward_end.max(intra_end);
+            c.now = t;
+            c.machine.layer_grads_ready(layer);
+            let done = run_actions(c, ci, &mut self.rendezvous);
+            assert!(
+                done,
+                "a backward hook waits only for earlier steps' collectives"
+            );
+            t = c.now;
         }
-        for b in 0..buckets.len() {
-            if !due[b] {
-                continue;
-            }
-            let ready = self
-                .clusters
-                .iter()
-                .map(|c| c.joined[b])
-                .max()
-                .unwrap_or(SimTime::ZERO);
-            let bucket = &self.plan.buckets()[b];
-            let span = self.fabric.all_reduce(ready, bucket.bytes() as u64)?;
-            self.pending_end[b] = Some(span.end);
-            let layers = bucket.layers.clone();
-            self.record_sync(span, &layers, 1);
+        for &ns in &c.backward_ns[..above] {
+            t += SimDuration(ns);
         }
-        Ok(self.lockstep_start())
+        c.now = t;
+        c.machine.backward_done();
+        run_actions(c, ci, &mut self.rendezvous);
+        Ok(())
     }
 
-    fn record_sync(&mut self, span: CollectiveSpan, layers: &[usize], staleness: u64) {
-        *self.staleness.entry(staleness).or_default() += layers.len() as u64;
-        for &l in layers {
+    /// Resolves collectives and resumes stopped clusters until every cluster has executed
+    /// all its actions.
+    fn settle(&mut self) -> Result<(), ClustersError> {
+        loop {
+            let resolved = self.rendezvous.resolve(&mut self.fabric)?;
+            let progressed = !resolved.is_empty();
+            for r in resolved {
+                self.record_sync(&r);
+            }
+            let mut all_done = true;
+            for (ci, c) in self.clusters.iter_mut().enumerate() {
+                all_done &= run_actions(c, ci, &mut self.rendezvous);
+            }
+            if all_done {
+                return Ok(());
+            }
+            assert!(
+                progressed,
+                "clusters wait on collectives not every cluster launched"
+            );
+        }
+    }
+
+    /// After the last step: every machine lands what is still in flight. Returns when the
+    /// last cluster is done.
+    fn finish(&mut self) -> Result<SimTime, ClustersError> {
+        for (ci, c) in self.clusters.iter_mut().enumerate() {
+            c.now = c.clock;
+            c.machine.finish();
+            run_actions(c, ci, &mut self.rendezvous);
+        }
+        self.settle()?;
+        Ok(self
+            .clusters
+            .iter()
+            .map(|c| c.now)
+            .max()
+            .unwrap_or(SimTime::ZERO))
+    }
+
+    fn record_sync(&mut self, r: &Resolved) {
+        // A parameter average lands at the layer's next optimizer step for dreamddp (one
+        // step stale); every other collective is waited within its step.
+        let staleness = u64::from(self.strategy == Strategy::DreamDdp);
+        *self.staleness.entry(staleness).or_default() += r.layers.len() as u64;
+        let span: CollectiveSpan = r.span;
+        for &l in &r.layers {
             if self.timeline.len() >= TIMELINE_CAP {
                 break;
             }
@@ -582,142 +608,69 @@ impl<'a> Simulation<'a> {
             });
         }
     }
+}
 
-    /// The real math of step `step` on every replica.
-    fn math_step(&mut self, step: u64) -> Result<(), ClustersError> {
-        for c in &mut self.clusters {
-            let loss = c.replica.forward_backward(&mut |_, _| {});
-            if !loss.is_finite() {
-                return Err(ClustersError::Diverged {
-                    step,
-                    cluster: c.setup.name.clone(),
-                    loss,
+/// Executes cluster `c`'s (index `ci`) pending machine actions at its compute stream's
+/// virtual time (see the module doc). Returns false when it stopped at a wait on a
+/// collective not yet resolved.
+fn run_actions(c: &mut ClusterState, ci: usize, rendezvous: &mut Rendezvous) -> bool {
+    while let Some(action) = c.blocked.take().or_else(|| c.machine.poll()) {
+        match action {
+            SyncAction::Stage { layer, key, kind } => {
+                let buf = c.staging.entry(key).or_default();
+                for p in c.replica.model.layers[layer].layer.params() {
+                    buf.extend_from_slice(match kind {
+                        SyncKind::Gradients => &p.grad,
+                        SyncKind::Parameters => &p.value,
+                    });
+                }
+            }
+            SyncAction::Launch { key, layers, kind } => {
+                let ready = layers
+                    .iter()
+                    .map(|&l| match kind {
+                        SyncKind::Gradients => c.grad_avail[l],
+                        SyncKind::Parameters => c.stepped_at[l],
+                    })
+                    .fold(c.now, SimTime::max);
+                let buffer = c.staging.remove(&key).unwrap_or_default();
+                rendezvous.join(key, layers, ci, ready, buffer);
+            }
+            SyncAction::Wait { key } => match rendezvous.end_of(key) {
+                Some(end) => c.now = c.now.max(end),
+                None => {
+                    c.blocked = Some(SyncAction::Wait { key });
+                    return false;
+                }
+            },
+            SyncAction::Apply {
+                key,
+                layer,
+                offset,
+                len,
+                kind,
+            } => {
+                let replica = &mut c.replica;
+                rendezvous.apply(key, offset, len, |values| match kind {
+                    SyncKind::Gradients => replica.set_layer_grads(layer, values),
+                    SyncKind::Parameters => replica.model.set_layer_values(layer, values),
                 });
             }
-        }
-        match self.strategy {
-            Strategy::Ssgd | Strategy::Wfbp => {
-                for i in 0..self.units.len() {
-                    let layer = self.units[i];
-                    self.average_and_write(layer, true);
-                }
-                for c in &mut self.clusters {
-                    c.replica.step_all();
-                }
-            }
-            Strategy::LocalSgd => {
-                for c in &mut self.clusters {
-                    c.replica.step_all();
-                }
-                if (step + 1).is_multiple_of(self.plan.period()) {
-                    for i in 0..self.units.len() {
-                        let layer = self.units[i];
-                        self.average_and_write(layer, false);
-                    }
-                }
-            }
-            Strategy::DreamDdp => {
-                for i in 0..self.units.len() {
-                    let layer = self.units[i];
-                    let landed = self.pending_avg[layer].take();
-                    for c in &mut self.clusters {
-                        if let Some(avg) = &landed {
-                            c.replica.model.set_layer_values(layer, avg);
-                        }
-                        c.replica.step_layer(layer);
-                    }
-                    if let Some(buffer) = landed {
-                        // Reuse the allocation for this step's average, if any.
-                        self.scratch = buffer;
-                    }
-                }
-                for c in &mut self.clusters {
-                    c.replica.steps += 1;
-                }
-                for i in 0..self.units.len() {
-                    let layer = self.units[i];
-                    if self.plan.is_due(step, layer) {
-                        let mut avg = std::mem::take(&mut self.scratch);
-                        average_layer(
-                            &self.clusters,
-                            &self.weights,
-                            layer,
-                            self.layer_len[layer],
-                            false,
-                            &mut avg,
-                        );
-                        self.pending_avg[layer] = Some(avg);
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Replaces layer `layer`'s gradients (or values) on every replica by their weighted mean.
-    fn average_and_write(&mut self, layer: usize, grads: bool) {
-        average_layer(
-            &self.clusters,
-            &self.weights,
-            layer,
-            self.layer_len[layer],
-            grads,
-            &mut self.scratch,
-        );
-        for c in &mut self.clusters {
-            if grads {
-                c.replica.set_layer_grads(layer, &self.scratch);
-            } else {
-                c.replica.model.set_layer_values(layer, &self.scratch);
+            SyncAction::StepLayer { layer } => {
+                c.replica.step_layer(layer);
+                c.stepped_at[layer] = c.now.max(c.grad_avail[layer]);
             }
         }
     }
+    true
 }
 
-/// Walks one step of cluster `c` from `start`: forward, then backward layer by layer (output
-/// head first), recording each parameterized layer's gradient time. `after_layer(layer, t)`
-/// may push the compute stream later (a blocking wait in the backward hook); the layer's
-/// optimizer step happens at the returned time. Returns when backward ended.
-fn walk(
-    c: &mut ClusterState,
-    start: SimTime,
-    after_layer: impl Fn(usize, SimTime) -> SimTime,
-) -> SimTime {
-    let mut t = start;
-    for &ns in &c.forward_ns {
-        t += SimDuration(ns);
-    }
-    for layer in (0..c.backward_ns.len()).rev() {
-        t += SimDuration(c.backward_ns[layer]);
-        c.grad_ready[layer] = t;
-        t = after_layer(layer, t);
-        c.stepped_at[layer] = t;
-    }
-    t
-}
-
-/// Runs cluster `c`'s intra-cluster all-reduces of this step's gradient buckets in backward order
-/// on its FIFO interconnect; each starts once its last gradient is ready. Returns when the
-/// last one ended.
-fn intra_reduce(c: &mut ClusterState, buckets: &[Bucket], intra_bytes: &mut u64) -> SimTime {
-    for (b, bucket) in buckets.iter().enumerate() {
-        let last = *bucket.layers.last().expect("buckets are not empty");
-        let start = c.grad_ready[last].max(c.intra_free);
-        let bytes = bucket.bytes() as u64;
-        c.intra_free = start + c.intra.all_reduce_time(bytes);
-        *intra_bytes += c.intra.all_reduce_bytes(bytes);
-        c.intra_done[b] = c.intra_free;
-    }
-    c.intra_free
-}
-
-/// Writes the weighted mean over clusters of layer `layer`'s values (or gradients) into `out`.
+/// Writes the weighted mean over clusters of layer `layer`'s values into `out`.
 fn average_layer(
     clusters: &[ClusterState],
     weights: &[f32],
     layer: usize,
     len: usize,
-    grads: bool,
     out: &mut Vec<f32>,
 ) {
     out.clear();
@@ -725,11 +678,10 @@ fn average_layer(
     for (c, &w) in clusters.iter().zip(weights) {
         let mut off = 0;
         for p in c.replica.model.layers[layer].layer.params() {
-            let src = if grads { &p.grad } else { &p.value };
-            for (o, v) in out[off..off + src.len()].iter_mut().zip(src) {
+            for (o, v) in out[off..off + p.value.len()].iter_mut().zip(&p.value) {
                 *o += w * v;
             }
-            off += src.len();
+            off += p.value.len();
         }
     }
 }
@@ -739,14 +691,14 @@ fn average_layer(
 /// count toward the unit below them in backward order) and per-unit communication seconds
 /// (intra-cluster all-reduce plus the inter-cluster all-reduce probed on a copy of the links).
 fn profile_of(
-    clusters: &[ClusterState],
+    clusters: &[ClusterModel],
     units: &[usize],
     names: &[String],
     layer_len: &[usize],
     fabric: &Fabric,
 ) -> Result<ModelProfile, ClustersError> {
     let nominal_factor =
-        |c: &ClusterState| c.setup.straggler.slowdown * (1.0 + 0.5 * c.setup.straggler.jitter);
+        |c: &ClusterModel| c.setup.straggler.slowdown * (1.0 + 0.5 * c.setup.straggler.jitter);
     let slowest = clusters
         .iter()
         .max_by(|a, b| {

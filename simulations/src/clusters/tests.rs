@@ -1,7 +1,7 @@
 //! Tests of the clusters simulation: determinism, hand-computed lockstep time accounting,
-//! dreamddp hiding communication, learning, error messages; plus an ignored measurement of
-//! the shipped `two-datacenters` scenario.
+//! dreamddp hiding communication and following its plan, learning, error messages.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use gpu_worker::task::{load_data, ModelKind, Task};
@@ -175,6 +175,59 @@ layer_overhead_s = 2e-3"#,
             .copied()
             .collect::<Vec<_>>(),
         vec![1]
+    );
+}
+
+#[test]
+fn dreamddp_syncs_each_layer_once_per_period_one_collective_per_bucket() {
+    // The clusters' sync machines follow the plan: with H = 2 every layer is averaged 20
+    // times in 40 steps, and the layers a step syncs travel together, in backward order.
+    let s = default_scenario();
+    let task = digits_task(ModelKind::Mlp);
+    let r = run(&s, &task, "dreamddp");
+    let model = task.build_model(5);
+    let index_of = |name: &str| {
+        model
+            .layers
+            .iter()
+            .position(|l| l.name == name)
+            .expect("a model layer")
+    };
+    let mut per_layer: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut collectives: BTreeMap<(u64, u64), Vec<usize>> = BTreeMap::new();
+    for e in &r.timeline {
+        *per_layer.entry(&e.layer).or_default() += 1;
+        collectives
+            .entry((e.start_s.to_bits(), e.end_s.to_bits()))
+            .or_default()
+            .push(index_of(&e.layer));
+    }
+    assert_eq!(per_layer.len(), model.layer_infos().len());
+    assert!(per_layer.values().all(|&n| n == 20), "{per_layer:?}");
+    assert!(
+        collectives.len() < r.timeline.len(),
+        "some step syncs several layers in one collective"
+    );
+    for layers in collectives.values() {
+        assert!(layers.windows(2).all(|w| w[0] > w[1]), "{layers:?}");
+    }
+}
+
+#[test]
+fn ssgd_and_wfbp_train_the_same_model() {
+    let s = default_scenario();
+    let task = digits_task(ModelKind::Mlp);
+    let a = run(&s, &task, "ssgd");
+    let b = run(&s, &task, "wfbp");
+    assert!(
+        (a.final_loss - b.final_loss).abs() < 1e-5,
+        "{} vs {}",
+        a.final_loss,
+        b.final_loss
+    );
+    assert!(
+        b.virtual_seconds <= a.virtual_seconds,
+        "wfbp overlaps backward"
     );
 }
 

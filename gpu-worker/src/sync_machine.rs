@@ -1,0 +1,342 @@
+//! The worker's per-step synchronization decisions as a sans-IO state machine.
+//!
+//! [`WorkerSyncMachine`] owns *what* a worker synchronizes *when* under a [`SyncPlan`]: which
+//! layer data to stage into which collective, when a collective is launched, when the worker
+//! must wait for one, where an average is written back, and when each layer's optimizer
+//! step runs. It does no I/O and reads no clock: the driver feeds it the points of a training
+//! step and executes the [`SyncAction`]s it returns, **in order** (a [`SyncAction::Wait`]
+//! must have completed before the next action runs). The node trainer
+//! ([`crate::trainer`]) drives it with real threads and collectives; the clusters simulation
+//! drives the same machine in virtual time.
+//!
+//! Inputs, per step: [`WorkerSyncMachine::begin_step`], then
+//! [`WorkerSyncMachine::layer_grads_ready`] for each parameterized layer in backward order
+//! (from the backward hook, output head first; every action it returns touches only that
+//! layer or collectives), then [`WorkerSyncMachine::backward_done`]. After the last step,
+//! [`WorkerSyncMachine::finish`] lands what is still in flight. Outputs: [`WorkerSyncMachine::poll`].
+//!
+//! | strategy | on `layer_grads_ready(l)` | on `backward_done` |
+//! |---|---|---|
+//! | `ssgd` | nothing | stage every gradient, launch one collective, wait, apply, step every layer |
+//! | `wfbp` | stage `l`'s gradient; launch its bucket once the bucket is complete | wait every bucket in launch order, apply, step every layer |
+//! | `localsgd` | step `l` | every H-th step (`(step + 1) % H == 0`): stage every parameter, launch, wait, apply |
+//! | `dreamddp` | if `l`'s bucket has an average launched at an earlier step, wait for it (at the bucket's first layer); apply `l`'s slice; step `l`; if `l` is due, stage its parameters and launch its bucket once the bucket's due layers are staged | nothing: the launch is waited right before the layer's next optimizer step |
+//!
+//! Layers of a collective are in backward order; a collective's buffer is the concatenation
+//! of its layers' parameters (or gradients) in that order, each layer's tensors in order.
+
+use std::collections::VecDeque;
+
+use engine::plan::{Strategy, SyncPlan};
+
+use crate::collective::ReduceKey;
+
+/// What a collective carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SyncKind {
+    /// Gradients, averaged before the optimizer step (`ssgd`, `wfbp`).
+    Gradients,
+    /// Parameter values, averaged after local steps (`localsgd`, `dreamddp`).
+    Parameters,
+}
+
+/// One instruction to the driver. Execute them in the order [`WorkerSyncMachine::poll`]
+/// returns them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SyncAction {
+    /// Append layer `layer`'s gradients or parameters to the buffer of collective `key`.
+    Stage {
+        /// Model layer index.
+        layer: usize,
+        /// The collective the data goes to.
+        key: ReduceKey,
+        /// What to copy.
+        kind: SyncKind,
+    },
+    /// Start the all-reduce (mean over workers) of collective `key`'s staged buffer.
+    Launch {
+        /// The collective.
+        key: ReduceKey,
+        /// Its layers in buffer order (backward order).
+        layers: Vec<usize>,
+        /// What it carries.
+        kind: SyncKind,
+    },
+    /// Block until collective `key` has completed and keep its result.
+    Wait {
+        /// The collective.
+        key: ReduceKey,
+    },
+    /// Write `len` values of collective `key`'s result, from `offset`, into layer `layer`'s
+    /// gradients or parameters (its tensors in order).
+    Apply {
+        /// The collective (already waited).
+        key: ReduceKey,
+        /// Model layer index.
+        layer: usize,
+        /// Offset of the layer in the result.
+        offset: usize,
+        /// f32 values of the layer.
+        len: usize,
+        /// Gradients or parameters.
+        kind: SyncKind,
+    },
+    /// Run the optimizer on layer `layer` with its current gradients.
+    StepLayer {
+        /// Model layer index.
+        layer: usize,
+    },
+}
+
+impl SyncAction {
+    /// The model layer the action reads or writes, if any.
+    pub fn layer(&self) -> Option<usize> {
+        match self {
+            SyncAction::Stage { layer, .. }
+            | SyncAction::Apply { layer, .. }
+            | SyncAction::StepLayer { layer } => Some(*layer),
+            SyncAction::Launch { .. } | SyncAction::Wait { .. } => None,
+        }
+    }
+}
+
+/// A collective launched and not yet waited.
+#[derive(Clone, Debug)]
+struct Launched {
+    key: ReduceKey,
+    layers: Vec<usize>,
+    kind: SyncKind,
+}
+
+/// The sync decisions of one worker (see the module doc).
+#[derive(Clone, Debug)]
+pub struct WorkerSyncMachine {
+    plan: SyncPlan,
+    strategy: Strategy,
+    /// Model layer → plan bucket (None for layers without parameters).
+    bucket_of: Vec<Option<usize>>,
+    /// Model layer → f32 parameters.
+    layer_len: Vec<usize>,
+    /// Sync units in backward order.
+    all_layers: Vec<usize>,
+    /// The step in progress (between `begin_step` and `backward_done`).
+    step: Option<u64>,
+    /// Per bucket: due layers not yet staged this step.
+    due_left: Vec<usize>,
+    /// Per bucket: layers staged this step, backward order.
+    staged: Vec<Vec<usize>>,
+    /// Collectives launched this step, waited after backward.
+    awaiting: Vec<Launched>,
+    /// dreamddp: per bucket, the average launched at an earlier step.
+    deferred: Vec<Option<Launched>>,
+    /// dreamddp: per layer, the waited collective and offset still to be written.
+    landing: Vec<Option<(ReduceKey, usize)>>,
+    actions: VecDeque<SyncAction>,
+}
+
+impl WorkerSyncMachine {
+    /// A machine executing `plan` (its strategy, buckets and per-layer schedule).
+    pub fn new(plan: &SyncPlan) -> Self {
+        let layer_count = plan.units().iter().map(|u| u.index + 1).max().unwrap_or(0);
+        let mut bucket_of = vec![None; layer_count];
+        let mut layer_len = vec![0; layer_count];
+        for u in plan.units() {
+            layer_len[u.index] = u.params;
+        }
+        for (b, bucket) in plan.buckets().iter().enumerate() {
+            for &l in &bucket.layers {
+                bucket_of[l] = Some(b);
+            }
+        }
+        let buckets = plan.buckets().len();
+        Self {
+            plan: plan.clone(),
+            strategy: plan.strategy(),
+            bucket_of,
+            layer_len,
+            all_layers: plan.units().iter().rev().map(|u| u.index).collect(),
+            step: None,
+            due_left: vec![0; buckets],
+            staged: vec![Vec::new(); buckets],
+            awaiting: Vec::new(),
+            deferred: vec![None; buckets],
+            landing: vec![None; layer_count],
+            actions: VecDeque::new(),
+        }
+    }
+
+    /// The plan this machine executes.
+    pub fn plan(&self) -> &SyncPlan {
+        &self.plan
+    }
+
+    /// The next action to execute, if any.
+    pub fn poll(&mut self) -> Option<SyncAction> {
+        self.actions.pop_front()
+    }
+
+    /// Starts step `step` (before forward). The previous step must have ended with
+    /// [`Self::backward_done`].
+    pub fn begin_step(&mut self, step: u64) {
+        assert!(self.step.is_none(), "begin_step before backward_done");
+        self.step = Some(step);
+        for (b, bucket) in self.plan.buckets().iter().enumerate() {
+            self.staged[b].clear();
+            self.due_left[b] = match self.strategy {
+                Strategy::Wfbp => bucket.layers.len(),
+                Strategy::DreamDdp => bucket
+                    .layers
+                    .iter()
+                    .filter(|&&l| self.plan.is_due(step, l))
+                    .count(),
+                Strategy::Ssgd | Strategy::LocalSgd => 0,
+            };
+        }
+    }
+
+    /// Layer `layer`'s gradient has just been computed (backward hook). Layers without
+    /// parameters are ignored.
+    pub fn layer_grads_ready(&mut self, layer: usize) {
+        let step = self.step.expect("layer_grads_ready inside a step");
+        let Some(b) = self.bucket_of.get(layer).copied().flatten() else {
+            return;
+        };
+        if self.strategy == Strategy::DreamDdp {
+            if let Some(f) = self.deferred[b].take() {
+                self.actions.push_back(SyncAction::Wait { key: f.key });
+                let mut offset = 0;
+                for &l in &f.layers {
+                    self.landing[l] = Some((f.key, offset));
+                    offset += self.layer_len[l];
+                }
+            }
+            if let Some((key, offset)) = self.landing[layer].take() {
+                self.actions.push_back(SyncAction::Apply {
+                    key,
+                    layer,
+                    offset,
+                    len: self.layer_len[layer],
+                    kind: SyncKind::Parameters,
+                });
+            }
+        }
+        let due = match self.strategy {
+            Strategy::Ssgd => false,
+            Strategy::Wfbp => true,
+            Strategy::LocalSgd => {
+                self.actions.push_back(SyncAction::StepLayer { layer });
+                false
+            }
+            Strategy::DreamDdp => {
+                self.actions.push_back(SyncAction::StepLayer { layer });
+                self.plan.is_due(step, layer)
+            }
+        };
+        if !due {
+            return;
+        }
+        let kind = if self.strategy == Strategy::Wfbp {
+            SyncKind::Gradients
+        } else {
+            SyncKind::Parameters
+        };
+        let key = ReduceKey::new(step, b as u32);
+        self.actions
+            .push_back(SyncAction::Stage { layer, key, kind });
+        self.staged[b].push(layer);
+        assert!(self.due_left[b] > 0, "layer {layer} staged twice in a step");
+        self.due_left[b] -= 1;
+        if self.due_left[b] == 0 {
+            let layers = std::mem::take(&mut self.staged[b]);
+            self.actions.push_back(SyncAction::Launch {
+                key,
+                layers: layers.clone(),
+                kind,
+            });
+            let launched = Launched { key, layers, kind };
+            if self.strategy == Strategy::DreamDdp {
+                self.deferred[b] = Some(launched);
+            } else {
+                self.awaiting.push(launched);
+            }
+        }
+    }
+
+    /// Backward has ended: the blocking collectives of the step, the waits and the optimizer
+    /// steps that follow backward. Ends the step.
+    pub fn backward_done(&mut self) {
+        let step = self.step.take().expect("backward_done inside a step");
+        let whole_model = match self.strategy {
+            Strategy::Ssgd => Some(SyncKind::Gradients),
+            Strategy::LocalSgd if (step + 1).is_multiple_of(self.plan.period()) => {
+                Some(SyncKind::Parameters)
+            }
+            _ => None,
+        };
+        if let Some(kind) = whole_model {
+            let key = ReduceKey::new(step, 0);
+            for &layer in &self.all_layers {
+                self.actions
+                    .push_back(SyncAction::Stage { layer, key, kind });
+            }
+            self.actions.push_back(SyncAction::Launch {
+                key,
+                layers: self.all_layers.clone(),
+                kind,
+            });
+            self.awaiting.push(Launched {
+                key,
+                layers: self.all_layers.clone(),
+                kind,
+            });
+        }
+        for f in std::mem::take(&mut self.awaiting) {
+            self.wait_and_apply(f);
+        }
+        if matches!(self.strategy, Strategy::Ssgd | Strategy::Wfbp) {
+            for i in 0..self.all_layers.len() {
+                let layer = self.all_layers[i];
+                self.actions.push_back(SyncAction::StepLayer { layer });
+            }
+        }
+    }
+
+    /// Training has ended: wait for the averages still in flight (dreamddp) and write them.
+    pub fn finish(&mut self) {
+        assert!(self.step.is_none(), "finish inside a step");
+        for b in 0..self.deferred.len() {
+            if let Some(f) = self.deferred[b].take() {
+                self.wait_and_apply(f);
+            }
+        }
+    }
+
+    /// Keys of the collectives launched and not yet waited, in launch order of their buckets.
+    pub fn in_flight(&self) -> Vec<ReduceKey> {
+        self.awaiting
+            .iter()
+            .chain(self.deferred.iter().flatten())
+            .map(|f| f.key)
+            .collect()
+    }
+
+    fn wait_and_apply(&mut self, f: Launched) {
+        self.actions.push_back(SyncAction::Wait { key: f.key });
+        let mut offset = 0;
+        for &layer in &f.layers {
+            let len = self.layer_len[layer];
+            self.actions.push_back(SyncAction::Apply {
+                key: f.key,
+                layer,
+                offset,
+                len,
+                kind: f.kind,
+            });
+            offset += len;
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "sync_machine_tests.rs"]
+mod tests;

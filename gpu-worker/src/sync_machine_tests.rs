@@ -1,0 +1,305 @@
+//! Tests of [`WorkerSyncMachine`]: exact action sequences per strategy on a small plan, and a
+//! property test of its contract (every launch waited once, applies after their wait at the
+//! right offsets, every layer stepped once per step, syncs per layer as the plan says).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use engine::bucket::BucketCaps;
+use engine::model::LayerInfo;
+use engine::plan::{PlanConfig, ScheduleKind, Strategy};
+use proptest::prelude::*;
+
+use super::*;
+
+/// Units at model indices 0, 1, 3, 4 (layer 2 has no parameters).
+fn infos(params: &[usize]) -> Vec<LayerInfo> {
+    [0usize, 1, 3, 4]
+        .iter()
+        .zip(params)
+        .map(|(&index, &params)| LayerInfo {
+            index,
+            name: format!("l{index}"),
+            kind: "linear",
+            params,
+        })
+        .collect()
+}
+
+fn plan(strategy: Strategy, period: u64, params: &[usize], one_per_bucket: bool) -> SyncPlan {
+    let mut config = PlanConfig::new(strategy, period);
+    config.schedule = ScheduleKind::Equal;
+    if one_per_bucket {
+        config.bucket_caps = BucketCaps {
+            first_cap_bytes: 1,
+            cap_bytes: 1,
+            alone_over_bytes: usize::MAX,
+        };
+    }
+    SyncPlan::new("test", &infos(params), &config, None).expect("plan")
+}
+
+/// Runs one step (hooks in backward order) and returns the actions per input.
+fn step(m: &mut WorkerSyncMachine, s: u64) -> Vec<Vec<SyncAction>> {
+    let drain = |m: &mut WorkerSyncMachine| std::iter::from_fn(|| m.poll()).collect::<Vec<_>>();
+    let mut out = Vec::new();
+    m.begin_step(s);
+    out.push(drain(m));
+    for layer in [4, 3, 2, 1, 0] {
+        m.layer_grads_ready(layer);
+        out.push(drain(m));
+    }
+    m.backward_done();
+    out.push(drain(m));
+    out
+}
+
+fn key(step: u64, bucket: u32) -> ReduceKey {
+    ReduceKey::new(step, bucket)
+}
+
+use SyncAction::{Apply, Launch, Stage, StepLayer, Wait};
+use SyncKind::{Gradients, Parameters};
+
+#[test]
+fn ssgd_reduces_every_gradient_after_backward_then_steps() {
+    let mut m = WorkerSyncMachine::new(&plan(Strategy::Ssgd, 1, &[2, 3, 4, 5], false));
+    let acts = step(&mut m, 7);
+    assert!(acts[..6].iter().all(Vec::is_empty), "{acts:?}");
+    let k = key(7, 0);
+    let all = vec![4, 3, 1, 0];
+    let mut want: Vec<SyncAction> = all
+        .iter()
+        .map(|&layer| Stage {
+            layer,
+            key: k,
+            kind: Gradients,
+        })
+        .collect();
+    want.push(Launch {
+        key: k,
+        layers: all.clone(),
+        kind: Gradients,
+    });
+    want.push(Wait { key: k });
+    let mut offset = 0;
+    for (&layer, len) in all.iter().zip([5, 4, 3, 2]) {
+        want.push(Apply {
+            key: k,
+            layer,
+            offset,
+            len,
+            kind: Gradients,
+        });
+        offset += len;
+    }
+    want.extend(all.iter().map(|&layer| StepLayer { layer }));
+    assert_eq!(acts[6], want);
+}
+
+#[test]
+fn wfbp_launches_each_bucket_in_backward_and_waits_before_stepping() {
+    let mut m = WorkerSyncMachine::new(&plan(Strategy::Wfbp, 1, &[2, 3, 4, 5], true));
+    let acts = step(&mut m, 0);
+    // Hook of layer 4 (bucket 0): stage and launch at once.
+    assert_eq!(
+        acts[1],
+        vec![
+            Stage {
+                layer: 4,
+                key: key(0, 0),
+                kind: Gradients
+            },
+            Launch {
+                key: key(0, 0),
+                layers: vec![4],
+                kind: Gradients
+            }
+        ]
+    );
+    assert!(acts[3].is_empty(), "layer 2 has no parameters");
+    let after = &acts[6];
+    let waits: Vec<_> = after
+        .iter()
+        .filter_map(|a| match a {
+            Wait { key } => Some(key.bucket),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(waits, vec![0, 1, 2, 3]);
+    assert_eq!(
+        after.last(),
+        Some(&StepLayer { layer: 0 }),
+        "steps come after every wait"
+    );
+}
+
+#[test]
+fn localsgd_steps_in_backward_and_averages_every_period() {
+    let mut m = WorkerSyncMachine::new(&plan(Strategy::LocalSgd, 2, &[2, 3, 4, 5], false));
+    let first = step(&mut m, 0);
+    assert_eq!(first[1], vec![StepLayer { layer: 4 }]);
+    assert!(first[6].is_empty());
+    let second = step(&mut m, 1);
+    assert_eq!(
+        second[6][4],
+        Launch {
+            key: key(1, 0),
+            layers: vec![4, 3, 1, 0],
+            kind: Parameters
+        }
+    );
+    assert_eq!(second[6][5], Wait { key: key(1, 0) });
+    assert_eq!(second[6].len(), 4 + 1 + 1 + 4);
+}
+
+#[test]
+fn dreamddp_waits_at_the_layers_next_step_and_writes_before_stepping() {
+    // Equal split, H = 2, backward order [4, 3, 1, 0]: {4, 3} at phase 0, {1, 0} at phase 1.
+    let p = plan(Strategy::DreamDdp, 2, &[2, 3, 4, 5], false);
+    assert_eq!(p.buckets().len(), 2);
+    let mut m = WorkerSyncMachine::new(&p);
+    let s0 = step(&mut m, 0);
+    assert_eq!(
+        s0[2],
+        vec![
+            StepLayer { layer: 3 },
+            Stage {
+                layer: 3,
+                key: key(0, 0),
+                kind: Parameters
+            },
+            Launch {
+                key: key(0, 0),
+                layers: vec![4, 3],
+                kind: Parameters
+            }
+        ]
+    );
+    assert!(s0[6].is_empty(), "nothing waited after backward");
+    assert_eq!(m.in_flight(), vec![key(0, 0)]);
+    let s1 = step(&mut m, 1);
+    // Bucket 0 is not due at step 1, but its average lands before layer 4's step.
+    assert_eq!(
+        s1[1],
+        vec![
+            Wait { key: key(0, 0) },
+            Apply {
+                key: key(0, 0),
+                layer: 4,
+                offset: 0,
+                len: 5,
+                kind: Parameters
+            },
+            StepLayer { layer: 4 }
+        ]
+    );
+    assert_eq!(
+        s1[2][0],
+        Apply {
+            key: key(0, 0),
+            layer: 3,
+            offset: 5,
+            len: 4,
+            kind: Parameters
+        }
+    );
+    assert_eq!(m.in_flight(), vec![key(1, 1)]);
+    m.finish();
+    let rest: Vec<_> = std::iter::from_fn(|| m.poll()).collect();
+    assert_eq!(rest.len(), 3, "{rest:?}");
+    assert_eq!(rest[0], Wait { key: key(1, 1) });
+}
+
+/// A driver that checks the machine's contract while executing its actions.
+#[derive(Default)]
+struct Checker {
+    launched: BTreeMap<ReduceKey, (Vec<usize>, SyncKind)>,
+    waited: BTreeMap<ReduceKey, BTreeSet<usize>>,
+    staged: BTreeMap<ReduceKey, Vec<usize>>,
+    stepped: Vec<usize>,
+    applied: BTreeMap<usize, u64>,
+}
+
+impl Checker {
+    fn run(&mut self, m: &mut WorkerSyncMachine, hook_layer: Option<usize>, len: &[usize]) {
+        while let Some(a) = m.poll() {
+            if let (Some(h), Some(l)) = (hook_layer, a.layer()) {
+                assert_eq!(h, l, "a hook action touches another layer: {a:?}");
+            }
+            match a {
+                Stage { layer, key, .. } => self.staged.entry(key).or_default().push(layer),
+                Launch { key, layers, kind } => {
+                    assert_eq!(self.staged.remove(&key), Some(layers.clone()));
+                    assert!(self.launched.insert(key, (layers, kind)).is_none());
+                }
+                Wait { key } => {
+                    let (layers, _) = &self.launched[&key];
+                    let fresh = self.waited.insert(key, layers.iter().copied().collect());
+                    assert!(fresh.is_none(), "{key} waited twice");
+                }
+                Apply {
+                    key,
+                    layer,
+                    offset,
+                    len: n,
+                    ..
+                } => {
+                    let (layers, _) = &self.launched[&key];
+                    let pos = layers.iter().position(|&l| l == layer).expect("in key");
+                    let want: usize = layers[..pos].iter().map(|&l| len[l]).sum();
+                    assert_eq!((offset, n), (want, len[layer]));
+                    assert!(self.waited.get_mut(&key).expect("waited").remove(&layer));
+                    *self.applied.entry(layer).or_default() += 1;
+                }
+                StepLayer { layer } => self.stepped.push(layer),
+            }
+        }
+    }
+}
+
+proptest! {
+    #[test]
+    fn every_strategy_keeps_the_contract(
+        strategy in prop::sample::select(Strategy::ALL.to_vec()),
+        params in prop::collection::vec(1usize..40, 4),
+        period in 1u64..=4,
+        steps in 1u64..12,
+        one_per_bucket in any::<bool>(),
+    ) {
+        let p = plan(strategy, period, &params, one_per_bucket);
+        let mut len = vec![0; 5];
+        for u in p.units() {
+            len[u.index] = u.params;
+        }
+        let mut m = WorkerSyncMachine::new(&p);
+        let mut c = Checker::default();
+        for s in 0..steps {
+            m.begin_step(s);
+            c.run(&mut m, None, &len);
+            c.stepped.clear();
+            for layer in [4, 3, 2, 1, 0] {
+                m.layer_grads_ready(layer);
+                c.run(&mut m, Some(layer), &len);
+            }
+            m.backward_done();
+            c.run(&mut m, None, &len);
+            prop_assert_eq!(&c.stepped, &vec![4, 3, 1, 0], "step {}", s);
+            if strategy != Strategy::DreamDdp {
+                prop_assert!(m.in_flight().is_empty());
+            }
+        }
+        m.finish();
+        c.run(&mut m, None, &len);
+        prop_assert!(c.staged.is_empty());
+        prop_assert!(c.waited.values().all(BTreeSet::is_empty), "every slice applied");
+        prop_assert_eq!(c.waited.len(), c.launched.len(), "every launch waited");
+        for u in p.units() {
+            let expected = match strategy {
+                Strategy::Ssgd | Strategy::Wfbp => steps,
+                Strategy::LocalSgd => steps / period,
+                Strategy::DreamDdp => (0..steps).filter(|&s| p.is_due(s, u.index)).count() as u64,
+            };
+            prop_assert_eq!(c.applied.get(&u.index).copied().unwrap_or(0), expected);
+        }
+    }
+}
