@@ -333,8 +333,10 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> Result<String> {
     let mut s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
         .await
         .context("status endpoint timeout")??;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
-        .await?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await?;
     let mut buf = Vec::new();
     tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf))
         .await
@@ -351,9 +353,9 @@ async fn aggregators_joined(status: SocketAddr) -> usize {
     let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else {
         return 0;
     };
-    v["members"]
-        .as_array()
-        .map_or(0, |m| m.iter().filter(|x| x["role"] == "aggregator").count())
+    v["members"].as_array().map_or(0, |m| {
+        m.iter().filter(|x| x["role"] == "aggregator").count()
+    })
 }
 
 /// `dreamddp cluster FILE`.
@@ -389,12 +391,17 @@ fn validate(file: &ClusterFile) -> Result<()> {
     for (i, n) in names.iter().enumerate() {
         transport::validate_node_name(n).with_context(|| format!("node name {n:?}"))?;
         if names[..i].contains(n) {
-            bail!("node name {n:?} is used twice (names must be unique; \"coordinator\" is reserved)");
+            bail!(
+                "node name {n:?} is used twice (names must be unique; \"coordinator\" is reserved)"
+            );
         }
     }
     for c in &file.chaos {
         if !names[1..].contains(&c.kill.as_str()) {
-            bail!("[[chaos]] kill = {:?}: no aggregator, worker or edge has that name", c.kill);
+            bail!(
+                "[[chaos]] kill = {:?}: no aggregator, worker or edge has that name",
+                c.kill
+            );
         }
     }
     for w in &file.workers {
@@ -405,7 +412,11 @@ fn validate(file: &ClusterFile) -> Result<()> {
     Ok(())
 }
 
-async fn run_cluster(file: ClusterFile, args: &ClusterArgs, base_dir: &Path) -> Result<ClusterSummary> {
+async fn run_cluster(
+    file: ClusterFile,
+    args: &ClusterArgs,
+    base_dir: &Path,
+) -> Result<ClusterSummary> {
     validate(&file)?;
     let started = Instant::now();
     let out = args
@@ -461,7 +472,10 @@ async fn run_cluster(file: ClusterFile, args: &ClusterArgs, base_dir: &Path) -> 
     let deadline = Instant::now() + Duration::from_secs(20);
     while http_get(status_addr, "/healthz").await.is_err() {
         if Instant::now() > deadline {
-            bail!("the coordinator did not come up in 20 s; see {}", coordinator.log.display());
+            bail!(
+                "the coordinator did not come up in 20 s; see {}",
+                coordinator.log.display()
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -503,7 +517,10 @@ async fn run_cluster(file: ClusterFile, args: &ClusterArgs, base_dir: &Path) -> 
     let deadline = Instant::now() + Duration::from_secs(30);
     while aggregators_joined(status_addr).await < aggregators.len() {
         if Instant::now() > deadline {
-            bail!("the aggregators did not join in 30 s; see the logs in {}", out.display());
+            bail!(
+                "the aggregators did not join in 30 s; see the logs in {}",
+                out.display()
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -588,7 +605,8 @@ async fn run_cluster(file: ClusterFile, args: &ClusterArgs, base_dir: &Path) -> 
     let trainers_started = Instant::now();
 
     // Chaos and waiting for the trainers.
-    let mut chaos: Vec<(ChaosEvent, bool)> = file.chaos.iter().map(|c| (c.clone(), false)).collect();
+    let mut chaos: Vec<(ChaosEvent, bool)> =
+        file.chaos.iter().map(|c| (c.clone(), false)).collect();
     chaos.sort_by(|a, b| a.0.at_s.total_cmp(&b.0.at_s));
     let mut restarts: Vec<(Instant, String)> = Vec::new();
     let timeout = Duration::from_secs(file.cluster.timeout_s);
@@ -653,7 +671,10 @@ async fn run_cluster(file: ClusterFile, args: &ClusterArgs, base_dir: &Path) -> 
             break;
         }
         if started.elapsed() > timeout {
-            tracing::error!("[ERROR] cluster timeout after {} s; stopping", file.cluster.timeout_s);
+            tracing::error!(
+                "[ERROR] cluster timeout after {} s; stopping",
+                file.cluster.timeout_s
+            );
             for p in trainers.iter_mut() {
                 if !exits.contains_key(&p.name) {
                     let status = p.wait(Duration::from_millis(10)).await;
@@ -701,7 +722,9 @@ async fn run_cluster(file: ClusterFile, args: &ClusterArgs, base_dir: &Path) -> 
             let state = AggregatorState::restore(&snapshot, AggregatorConfig::default())
                 .map_err(|e| anyhow::anyhow!("{}: {e}", p.name))?;
             for id in state.layer_ids() {
-                if let (Some(view), Some(def)) = (state.layer(id), layout.iter().find(|d| d.layer_id == id)) {
+                if let (Some(view), Some(def)) =
+                    (state.layer(id), layout.iter().find(|d| d.layer_id == id))
+                {
                     eval_model.set_layer_values(def.model_index, view.values);
                 }
             }
@@ -729,10 +752,11 @@ async fn run_cluster(file: ClusterFile, args: &ClusterArgs, base_dir: &Path) -> 
     ledger.sort();
     let ledger_duplicates = ledger.windows(2).filter(|w| w[0] == w[1]).count() as u64;
     for p in &trainers {
-        let stats: serde_json::Value = std::fs::read_to_string(out.join(&p.name).join("data/stats.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or_default();
+        let stats: serde_json::Value =
+            std::fs::read_to_string(out.join(&p.name).join("data/stats.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok())
+                .unwrap_or_default();
         nodes.push(NodeSummary {
             name: p.name.clone(),
             role: p.role.into(),
@@ -761,7 +785,10 @@ async fn run_cluster(file: ClusterFile, args: &ClusterArgs, base_dir: &Path) -> 
         relay_dropped_datagrams: relay_dropped,
         wall_seconds: started.elapsed().as_secs_f64(),
     };
-    std::fs::write(out.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
+    std::fs::write(
+        out.join("summary.json"),
+        serde_json::to_string_pretty(&summary)?,
+    )?;
     println!("wrote {}", out.join("summary.json").display());
     Ok(summary)
 }
@@ -771,14 +798,27 @@ fn print_table(s: &ClusterSummary) {
         "cluster {} ({}, {}): global model accuracy {} (loss {:.4}), {:.0} s wall",
         s.cluster,
         s.dataset,
-        if s.clean_links { "clean links" } else { "as configured" },
-        s.final_accuracy.map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
+        if s.clean_links {
+            "clean links"
+        } else {
+            "as configured"
+        },
+        s.final_accuracy
+            .map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
         s.final_loss,
         s.wall_seconds
     );
     println!(
         "{:<14} {:<10} {:>7} {:>12} {:>9} {:>8} {:>6} {:>9} {:>6}  exit",
-        "node", "role", "relayed", "bytes_sent", "weak_sync", "applied", "dups", "local_acc", "kills"
+        "node",
+        "role",
+        "relayed",
+        "bytes_sent",
+        "weak_sync",
+        "applied",
+        "dups",
+        "local_acc",
+        "kills"
     );
     for n in &s.nodes {
         println!(
@@ -790,7 +830,8 @@ fn print_table(s: &ClusterSummary) {
             n.weak_sync_events,
             n.deltas_applied,
             n.duplicates_rejected,
-            n.local_accuracy.map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
+            n.local_accuracy
+                .map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
             n.kills,
             n.exit
         );

@@ -82,7 +82,10 @@ fn kill_9_of_an_edge_and_an_aggregator_loses_nothing_and_applies_each_delta_once
     let chaos = format!(
         "{text}\n[[chaos]]\nkill = \"edge-1\"\nat_s = 4.0\ndown_s = 1.0\n\n[[chaos]]\nkill = \"agg-1\"\nat_s = 6.0\ndown_s = 1.0\n"
     );
-    let file = example().parent().unwrap().join(format!("chaos-{}.toml", std::process::id()));
+    let file = example()
+        .parent()
+        .unwrap()
+        .join(format!("chaos-{}.toml", std::process::id()));
     std::fs::write(&file, chaos).unwrap();
     let summary = run_cluster(&file, &dir.join("out"), &[]);
     let _ = std::fs::remove_file(&file);
@@ -92,7 +95,10 @@ fn kill_9_of_an_edge_and_an_aggregator_loses_nothing_and_applies_each_delta_once
     // the restarted edge was delivered, and the model still trains.
     assert_eq!(summary["ledger_duplicates"], 0, "{summary}");
     assert_eq!(node(&summary, "edge-1")["undelivered"], 0, "{summary}");
-    assert!(summary["final_accuracy"].as_f64().unwrap() > 0.8, "{summary}");
+    assert!(
+        summary["final_accuracy"].as_f64().unwrap() > 0.8,
+        "{summary}"
+    );
     // The restarted aggregator resumed from its shard file.
     let log = std::fs::read_to_string(dir.join("out/agg-1/log.txt")).unwrap();
     assert!(log.contains("resumed from"), "{log}");
@@ -118,9 +124,21 @@ fn coordinator_refuses_foreign_certificates_and_survives_garbage_frames() {
     let dir = scratch("cluster-auth");
     let certs = dir.join("certs");
     let other = dir.join("other-ca");
-    let o = dreamddp(&["certs", "--dir", certs.to_str().unwrap(), "--nodes", "coordinator,edge-1"]);
+    let o = dreamddp(&[
+        "certs",
+        "--dir",
+        certs.to_str().unwrap(),
+        "--nodes",
+        "coordinator,edge-1",
+    ]);
     assert!(o.status.success(), "{}", text(&o));
-    let o = dreamddp(&["certs", "--dir", other.to_str().unwrap(), "--nodes", "edge-1"]);
+    let o = dreamddp(&[
+        "certs",
+        "--dir",
+        other.to_str().unwrap(),
+        "--nodes",
+        "edge-1",
+    ]);
     assert!(o.status.success(), "{}", text(&o));
     let listen = free_port();
     let config = dir.join("coordinator.toml");

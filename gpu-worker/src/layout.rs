@@ -53,7 +53,9 @@ mod tests {
             layout.iter().map(|l| l.layer_id).collect::<Vec<_>>(),
             vec![0, 1, 2, 3]
         );
-        assert!(layout.windows(2).all(|w| w[0].model_index < w[1].model_index));
+        assert!(layout
+            .windows(2)
+            .all(|w| w[0].model_index < w[1].model_index));
         let total: usize = layout.iter().map(|l| l.len).sum();
         assert_eq!(total, model.param_count());
         for l in &layout {

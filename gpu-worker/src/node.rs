@@ -120,7 +120,7 @@ pub fn run_node_training(
             config.world,
             config.batch_size,
             &config.optimizer,
-            config.schedule.clone(),
+            config.schedule,
         )
         .map_err(NodeTrainError::Config)?;
         for (index, values) in initial {
@@ -369,8 +369,10 @@ mod tests {
             rewrite_at: 0,
             stop_at: u64::MAX,
         };
-        let err =
-            run_node_training(&task, &config(1, 1), &[(0, vec![1.0; 3])], &mut hook).unwrap_err();
+        let Err(err) = run_node_training(&task, &config(1, 1), &[(0, vec![1.0; 3])], &mut hook)
+        else {
+            panic!("values of the wrong length were accepted");
+        };
         assert!(err.to_string().contains("layer index 0"), "{err}");
         let mut bad = config(2, 1);
         bad.world = 1;

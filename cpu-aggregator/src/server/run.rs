@@ -81,9 +81,18 @@ pub struct AggregatorSummary {
 }
 
 enum Inbound {
-    Message { conn: u64, peer: String, msg: Message },
-    Connected { conn: u64, link: PeerConnection },
-    Closed { conn: u64 },
+    Message {
+        conn: u64,
+        peer: String,
+        msg: Message,
+    },
+    Connected {
+        conn: u64,
+        link: PeerConnection,
+    },
+    Closed {
+        conn: u64,
+    },
     BadPeer,
 }
 
@@ -153,7 +162,11 @@ pub async fn run_aggregator(
         config.node.name,
         config.node.id,
         if resumed {
-            format!("resumed from {} ({})", shard_path.display(), versions.join(" "))
+            format!(
+                "resumed from {} ({})",
+                shard_path.display(),
+                versions.join(" ")
+            )
         } else {
             "fresh".to_string()
         },
@@ -245,16 +258,24 @@ pub async fn run_aggregator(
             node_id: shell.id,
             reason: "shutting down".into(),
         });
-        let _ = c.send_with_timeout(&leave, Duration::from_millis(500)).await;
+        let _ = c
+            .send_with_timeout(&leave, Duration::from_millis(500))
+            .await;
     }
     quic.close();
     let summary = shell.summary();
     let path = config.node.data_dir.join("stats.json");
-    let _ = std::fs::write(&path, serde_json::to_string_pretty(&summary).unwrap_or_default());
+    let _ = std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&summary).unwrap_or_default(),
+    );
     if let Some(e) = fatal {
         return Err(e);
     }
-    info!("[DONE] aggregator={} applied={} duplicates={}", summary.name, summary.deltas_applied, summary.duplicates_rejected);
+    info!(
+        "[DONE] aggregator={} applied={} duplicates={}",
+        summary.name, summary.deltas_applied, summary.duplicates_rejected
+    );
     Ok(summary)
 }
 
@@ -265,7 +286,11 @@ async fn sleep_until_opt(at: Option<Instant>) {
     }
 }
 
-async fn accept_loop(quic: Arc<QuicNode>, tx: mpsc::UnboundedSender<Inbound>, shutdown: CancellationToken) {
+async fn accept_loop(
+    quic: Arc<QuicNode>,
+    tx: mpsc::UnboundedSender<Inbound>,
+    shutdown: CancellationToken,
+) {
     let mut next_conn = COORDINATOR + 1;
     loop {
         let incoming = tokio::select! {
@@ -278,7 +303,11 @@ async fn accept_loop(quic: Arc<QuicNode>, tx: mpsc::UnboundedSender<Inbound>, sh
             Some(Ok(link)) => {
                 let conn = next_conn;
                 next_conn += 1;
-                debug!("connection {conn} from {} ({})", link.peer_name(), link.remote_addr());
+                debug!(
+                    "connection {conn} from {} ({})",
+                    link.peer_name(),
+                    link.remote_addr()
+                );
                 let _ = tx.send(Inbound::Connected {
                     conn,
                     link: link.clone(),
@@ -307,7 +336,10 @@ async fn read_loop(conn: u64, link: PeerConnection, tx: mpsc::UnboundedSender<In
                 }
             }
             Err(e) if e.is_peer_fault() => {
-                error!("[ERROR] peer={peer} addr={} sent a bad frame: {e}; disconnected", link.remote_addr());
+                error!(
+                    "[ERROR] peer={peer} addr={} sent a bad frame: {e}; disconnected",
+                    link.remote_addr()
+                );
                 link.close("bad frame");
                 let _ = tx.send(Inbound::BadPeer);
                 let _ = tx.send(Inbound::Closed { conn });
@@ -368,7 +400,11 @@ async fn coordinator_link(
                                     lease_ms: 0,
                                     now_ms: 0,
                                 });
-                                if link.send_with_timeout(&hb, Duration::from_secs(2)).await.is_err() {
+                                if link
+                                    .send_with_timeout(&hb, Duration::from_secs(2))
+                                    .await
+                                    .is_err()
+                                {
                                     return;
                                 }
                             }
@@ -439,7 +475,10 @@ impl Shell {
     fn handle_coordinator(&mut self, msg: Message) -> Result<(), AggregatorRunError> {
         match msg {
             Message::JoinAck(ack) => {
-                info!("[JOIN] aggregator={} admitted (map epoch {})", self.name, ack.map_epoch);
+                info!(
+                    "[JOIN] aggregator={} admitted (map epoch {})",
+                    self.name, ack.map_epoch
+                );
                 self.apply_map(ack.map_epoch, &ack.layer_owners);
             }
             Message::LayerMap(map) => self.apply_map(map.epoch, &map.owners),
@@ -454,12 +493,20 @@ impl Shell {
                             values,
                         };
                         match self.state.adopt_layer(layer, v.version) {
-                            Ok(true) => info!("[MAP] layer={} adopted at version {}", v.layer_name, v.version),
+                            Ok(true) => info!(
+                                "[MAP] layer={} adopted at version {}",
+                                v.layer_name, v.version
+                            ),
                             Ok(false) => {}
-                            Err(e) => error!("[ERROR] handover of layer {} refused: {e}", v.layer_name),
+                            Err(e) => {
+                                error!("[ERROR] handover of layer {} refused: {e}", v.layer_name)
+                            }
                         }
                     }
-                    Err(e) => error!("[ERROR] handover of layer {} does not decode: {e}", v.layer_name),
+                    Err(e) => error!(
+                        "[ERROR] handover of layer {} does not decode: {e}",
+                        v.layer_name
+                    ),
                 }
             }
             Message::Error(e) if e.code == ErrorCode::Unauthorized => {
@@ -504,9 +551,18 @@ impl Shell {
         let names: Vec<&str> = self
             .state
             .layer_ids()
-            .filter_map(|id| self.layout.iter().find(|d| d.layer_id == id).map(|d| d.name.as_str()))
+            .filter_map(|id| {
+                self.layout
+                    .iter()
+                    .find(|d| d.layer_id == id)
+                    .map(|d| d.name.as_str())
+            })
             .collect();
-        info!("[MAP] epoch={epoch} aggregator={} owns [{}]", self.name, names.join(", "));
+        info!(
+            "[MAP] epoch={epoch} aggregator={} owns [{}]",
+            self.name,
+            names.join(", ")
+        );
     }
 
     fn handle_node(&mut self, conn: u64, peer: &str, msg: Message) {
@@ -517,8 +573,14 @@ impl Shell {
         };
         let node = match (claimed, self.conn_node.get(&conn).copied()) {
             (Some(c), Some(bound)) if c != bound => {
-                error!("[ERROR] peer={peer} claims node {c} on a connection of node {bound}; refused");
-                self.reply_error(conn, ErrorCode::BadRequest, format!("this connection belongs to node {bound}, not {c}"));
+                error!(
+                    "[ERROR] peer={peer} claims node {c} on a connection of node {bound}; refused"
+                );
+                self.reply_error(
+                    conn,
+                    ErrorCode::BadRequest,
+                    format!("this connection belongs to node {bound}, not {c}"),
+                );
                 return;
             }
             (Some(c), _) => {
@@ -528,7 +590,11 @@ impl Shell {
             }
             (None, Some(bound)) => bound,
             (None, None) => {
-                self.reply_error(conn, ErrorCode::BadRequest, format!("send Subscribe first (got {})", msg.kind()));
+                self.reply_error(
+                    conn,
+                    ErrorCode::BadRequest,
+                    format!("send Subscribe first (got {})", msg.kind()),
+                );
                 return;
             }
         };
@@ -590,13 +656,24 @@ impl Shell {
                         seq: ack.seq,
                     });
                 }
-                Output::Event(AggEvent::DuplicateRejected { from, layer_id, seq }) => {
-                    info!("[DUP] node={from} layer={layer_id} seq={seq} already applied; acked again");
+                Output::Event(AggEvent::DuplicateRejected {
+                    from,
+                    layer_id,
+                    seq,
+                }) => {
+                    info!(
+                        "[DUP] node={from} layer={layer_id} seq={seq} already applied; acked again"
+                    );
                 }
                 Output::Event(AggEvent::BadInput { from, reason }) => {
                     error!("[ERROR] node={from} bad input: {reason}");
                 }
-                Output::Event(AggEvent::DroppedStale { from, layer_id, seq, reason }) => {
+                Output::Event(AggEvent::DroppedStale {
+                    from,
+                    layer_id,
+                    seq,
+                    reason,
+                }) => {
                     warn!("[WARN] node={from} layer={layer_id} seq={seq} refused ({reason:?}); sender told to re-sync");
                 }
                 _ => {}
@@ -608,7 +685,12 @@ impl Shell {
         for o in outputs {
             match o {
                 Output::Send { to, msg } => {
-                    let Some(link) = self.node_conn.get(&to).and_then(|c| self.conns.get(c)).cloned() else {
+                    let Some(link) = self
+                        .node_conn
+                        .get(&to)
+                        .and_then(|c| self.conns.get(c))
+                        .cloned()
+                    else {
                         debug!("no connection to node {to}; {} dropped", msg.kind());
                         continue;
                     };
@@ -630,7 +712,8 @@ impl Shell {
                             let frame = Arc::clone(&frame);
                             let timeout = self.send_timeout;
                             tokio::spawn(async move {
-                                let _ = tokio::time::timeout(timeout, link.send_frame(&frame)).await;
+                                let _ =
+                                    tokio::time::timeout(timeout, link.send_frame(&frame)).await;
                             });
                         }
                     }

@@ -150,8 +150,16 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("shard.bin");
         let ledger = vec![
-            AppliedEntry { node: 1, layer: 2, seq: 3 },
-            AppliedEntry { node: 4, layer: 0, seq: u64::MAX },
+            AppliedEntry {
+                node: 1,
+                layer: 2,
+                seq: 3,
+            },
+            AppliedEntry {
+                node: 4,
+                layer: 0,
+                seq: u64::MAX,
+            },
         ];
         write_atomic(&path, &encode(b"snapshot", &ledger)).unwrap();
         let (snap, got) = read(&path).unwrap().unwrap();

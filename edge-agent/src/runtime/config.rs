@@ -223,11 +223,10 @@ impl NodeRunConfig {
 
     /// Parses and validates config text (`path` is only used in messages).
     pub fn parse(text: &str, path: &Path) -> Result<Self, NodeConfigError> {
-        let config: NodeRunConfig =
-            toml::from_str(text).map_err(|e| NodeConfigError::Parse {
-                path: path.to_path_buf(),
-                message: e.to_string(),
-            })?;
+        let config: NodeRunConfig = toml::from_str(text).map_err(|e| NodeConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
         config.validate()?;
         Ok(config)
     }
@@ -242,7 +241,11 @@ impl NodeRunConfig {
             why: why.into(),
         };
         if t.workers == 0 {
-            return Err(invalid("training.workers", "0".into(), "need at least 1 worker"));
+            return Err(invalid(
+                "training.workers",
+                "0".into(),
+                "need at least 1 worker",
+            ));
         }
         if t.first_rank + t.workers > t.world {
             return Err(invalid(
@@ -255,19 +258,35 @@ impl NodeRunConfig {
             ));
         }
         if t.batch_size == 0 {
-            return Err(invalid("training.batch_size", "0".into(), "must be positive"));
+            return Err(invalid(
+                "training.batch_size",
+                "0".into(),
+                "must be positive",
+            ));
         }
         if !(t.lr.is_finite() && t.lr > 0.0) {
-            return Err(invalid("training.lr", t.lr.to_string(), "must be a positive number"));
+            return Err(invalid(
+                "training.lr",
+                t.lr.to_string(),
+                "must be a positive number",
+            ));
         }
         if s.period_steps == 0 {
-            return Err(invalid("sync.period_steps", "0".into(), "must be at least 1"));
+            return Err(invalid(
+                "sync.period_steps",
+                "0".into(),
+                "must be at least 1",
+            ));
         }
         if s.deadline_ms == 0 {
             return Err(invalid("sync.deadline_ms", "0".into(), "must be positive"));
         }
         if s.max_attempts == 0 {
-            return Err(invalid("sync.max_attempts", "0".into(), "must be at least 1"));
+            return Err(invalid(
+                "sync.max_attempts",
+                "0".into(),
+                "must be at least 1",
+            ));
         }
         if parse_codec(&s.codec).is_none() {
             return Err(invalid(

@@ -92,7 +92,11 @@ impl SyncDriver {
         stats_every: std::time::Duration,
         map_epoch: u64,
     ) -> Self {
-        let by_id = layers.iter().enumerate().map(|(i, l)| (l.layer_id, i)).collect();
+        let by_id = layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.layer_id, i))
+            .collect();
         SyncDriver {
             client,
             cache,
@@ -204,7 +208,9 @@ impl SyncDriver {
                 Output::Send { to, msg } => {
                     if let Message::LayerDelta(p) = &msg {
                         self.counters.bytes_sent += p.payload.len() as u64;
-                        self.sent_at.entry((p.layer_id, p.seq)).or_insert_with(Instant::now);
+                        self.sent_at
+                            .entry((p.layer_id, p.seq))
+                            .or_insert_with(Instant::now);
                     }
                     self.outbox.to_aggregator(to, msg);
                 }
@@ -251,10 +257,7 @@ impl SyncDriver {
                             if !changed.contains(&index) {
                                 changed.push(index);
                             }
-                            debug!(
-                                "[VERSION] layer={} version={version}",
-                                self.layers[li].name
-                            );
+                            debug!("[VERSION] layer={} version={version}", self.layers[li].name);
                         }
                         Ok(false) => {}
                         Err(e) => return Err(format!("applying a global version: {e}")),
@@ -320,7 +323,10 @@ impl SyncDriver {
                 self.layer_name(layer_id)
             ),
             ClientEvent::PeerError { error } => {
-                error!("[ERROR] aggregator replied {:?}: {}", error.code, error.text)
+                error!(
+                    "[ERROR] aggregator replied {:?}: {}",
+                    error.code, error.text
+                )
             }
             ClientEvent::Ignored { reason } => debug!("ignored: {reason}"),
             other => debug!("{other:?}"),
@@ -346,7 +352,11 @@ impl SyncDriver {
             bytes_sent: self.counters.bytes_sent,
             bytes_received: self.counters.bytes_received,
             weak_sync_events: self.counters.weak_sync_events,
-            cached_pending: self.layers.iter().map(|l| self.client.pending(l.layer_id) as u64).sum(),
+            cached_pending: self
+                .layers
+                .iter()
+                .map(|l| self.client.pending(l.layer_id) as u64)
+                .sum(),
             deltas_applied: 0,
             duplicates_rejected: 0,
             dropped_stale: 0,
@@ -391,7 +401,12 @@ impl SyncDriver {
 }
 
 impl LeaderHook for SyncDriver {
-    fn after_step(&mut self, step: u64, samples: u64, model: &mut Model) -> Result<Vec<usize>, String> {
+    fn after_step(
+        &mut self,
+        step: u64,
+        samples: u64,
+        model: &mut Model,
+    ) -> Result<Vec<usize>, String> {
         self.counters.step = step;
         // Versions that arrived during the step are applied before the cut, so the delta is
         // taken against the freshest anchor.

@@ -262,7 +262,10 @@ impl Ctx {
     fn ensure_aggregators(&self, aggregators: &[AggregatorAddr]) {
         for a in aggregators {
             let Ok(addr) = a.addr.parse::<SocketAddr>() else {
-                error!("[ERROR] coordinator sent an unparsable aggregator address {:?}", a.addr);
+                error!(
+                    "[ERROR] coordinator sent an unparsable aggregator address {:?}",
+                    a.addr
+                );
                 continue;
             };
             if !self.links().managed.insert(a.node_id) {
@@ -340,7 +343,10 @@ impl Ctx {
                     }
                 }
                 Err(e) if e.is_peer_fault() => {
-                    error!("[ERROR] peer={} sent a bad frame: {e}; disconnecting", conn.peer_name());
+                    error!(
+                        "[ERROR] peer={} sent a bad frame: {e}; disconnecting",
+                        conn.peer_name()
+                    );
                     conn.close("bad frame");
                     return e.to_string();
                 }
@@ -349,7 +355,11 @@ impl Ctx {
         }
     }
 
-    async fn run(self, coordinator: PeerConnection, mut commands: mpsc::UnboundedReceiver<NetCommand>) {
+    async fn run(
+        self,
+        coordinator: PeerConnection,
+        mut commands: mpsc::UnboundedReceiver<NetCommand>,
+    ) {
         let coord_task = tokio::spawn(self.clone().coordinator_link(coordinator));
         let mut heartbeat = tokio::time::interval(self.config.heartbeat_every);
         loop {
@@ -398,7 +408,14 @@ impl Ctx {
             }
             warn!("[WARN] coordinator connection lost: {reason}; re-joining");
             loop {
-                match join(&self.quic, &self.config, &self.capabilities, Duration::from_secs(30)).await {
+                match join(
+                    &self.quic,
+                    &self.config,
+                    &self.capabilities,
+                    Duration::from_secs(30),
+                )
+                .await
+                {
                     Ok((c, ack)) => {
                         info!("[JOIN] re-joined: map epoch {}", ack.map_epoch);
                         self.ensure_aggregators(&ack.aggregators);

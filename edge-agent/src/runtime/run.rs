@@ -91,7 +91,10 @@ pub fn next_incarnation(dir: &Path) -> Result<u64, NodeRunError> {
     };
     let previous = match std::fs::read_to_string(&path) {
         Ok(text) => text.trim().parse::<u64>().unwrap_or_else(|_| {
-            warn!("[WARN] {} is unreadable; starting a new seq range above any old one", path.display());
+            warn!(
+                "[WARN] {} is unreadable; starting a new seq range above any old one",
+                path.display()
+            );
             u64::from(u32::MAX >> 1)
         }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
@@ -118,14 +121,20 @@ struct NodeLeader<'a> {
 }
 
 impl LeaderHook for NodeLeader<'_> {
-    fn after_step(&mut self, step: u64, samples: u64, model: &mut Model) -> Result<Vec<usize>, String> {
+    fn after_step(
+        &mut self,
+        step: u64,
+        samples: u64,
+        model: &mut Model,
+    ) -> Result<Vec<usize>, String> {
         let changed = self.driver.after_step(step, samples, model)?;
-        if self.eval_every > 0 && step % self.eval_every == 0 {
+        if self.eval_every > 0 && step.is_multiple_of(self.eval_every) {
             let e = self.task.evaluate(model, Some(self.eval_limit));
             self.driver.set_accuracy(e.accuracy.map(|a| a as f32));
             info!(
                 "[EVAL] step={step} accuracy={} loss={:.4}",
-                e.accuracy.map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
+                e.accuracy
+                    .map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
                 e.loss
             );
         }
@@ -278,7 +287,8 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         let stats = driver.stats();
         let have: std::collections::HashMap<u32, u64> = stats.layer_versions.into_iter().collect();
         let complete = layout.iter().all(|l| {
-            have.get(&l.layer_id).copied().unwrap_or(0) >= wanted.get(&l.layer_id).copied().unwrap_or(0)
+            have.get(&l.layer_id).copied().unwrap_or(0)
+                >= wanted.get(&l.layer_id).copied().unwrap_or(0)
         });
         let all_linked = owners.values().all(|&a| net.aggregator_connected(a));
         if (complete && all_linked) || Instant::now() > boot_deadline {
@@ -320,7 +330,9 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
     // Drain: keep exchanging until every delta is acknowledged (or the timeout).
     let drain_until = Instant::now() + Duration::from_secs(config.sync.drain_timeout_s);
     while driver.undelivered() > 0 && Instant::now() < drain_until {
-        driver.pump(&mut final_model).map_err(NodeRunError::Training)?;
+        driver
+            .pump(&mut final_model)
+            .map_err(NodeRunError::Training)?;
         std::thread::sleep(Duration::from_millis(10));
     }
     let undelivered = driver.undelivered();
