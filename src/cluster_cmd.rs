@@ -164,6 +164,12 @@ pub struct EdgeProcess {
     /// A lossy relay between this edge and every aggregator.
     #[serde(default)]
     pub relay: Option<EdgeRelay>,
+    /// This edge's per-attempt deadline (default: `[sync] deadline_ms`).
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
+    /// This edge's delta codec (default: `[sync] codec`).
+    #[serde(default)]
+    pub codec: Option<String>,
 }
 
 /// `[edges.relay]`: the link model of each direction (see `dreamddp relay`).
@@ -275,7 +281,9 @@ impl Proc {
             .open(&self.log)
             .with_context(|| format!("opening {}", self.log.display()))?;
         let err = log.try_clone()?;
+        let level = std::env::var("DREAMDDP_CLUSTER_LOG").unwrap_or_else(|_| "info".into());
         let child = Command::new(exe)
+            .env("RUST_LOG", level)
             .arg(self.role)
             .arg("--config")
             .arg(&self.config)
@@ -531,14 +539,21 @@ async fn run_cluster(
     let mut relays: Vec<RelayHandle> = Vec::new();
     let mut rank = 0usize;
     let mut next_id = 100u64;
-    let mut specs: Vec<(String, &'static str, usize, Option<&EdgeRelay>)> = Vec::new();
+    let mut specs: Vec<(String, &'static str, usize, Option<&EdgeRelay>, SyncSection)> = Vec::new();
     for w in &file.workers {
-        specs.push((w.name.clone(), "worker", w.workers, None));
+        specs.push((w.name.clone(), "worker", w.workers, None, file.sync.clone()));
     }
     for e in &file.edges {
-        specs.push((e.name.clone(), "edge", 1, e.relay.as_ref()));
+        let mut sync = file.sync.clone();
+        if let Some(d) = e.deadline_ms {
+            sync.deadline_ms = d;
+        }
+        if let Some(c) = &e.codec {
+            sync.codec = c.clone();
+        }
+        specs.push((e.name.clone(), "edge", 1, e.relay.as_ref(), sync));
     }
-    for (name, role, workers, relay) in specs {
+    for (name, role, workers, relay, sync) in specs {
         let dir = node_dir(&name)?;
         let mut overrides = HashMap::new();
         let relayed = relay.is_some() && !args.clean_links;
@@ -584,7 +599,7 @@ async fn run_cluster(
                 eval_every: file.training.eval_every,
                 eval_limit: file.training.eval_limit,
             },
-            sync: file.sync.clone(),
+            sync,
         };
         cfg.validate().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
         write_toml(&dir.join("config.toml"), &cfg)?;

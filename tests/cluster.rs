@@ -78,7 +78,7 @@ fn kill_9_of_an_edge_and_an_aggregator_loses_nothing_and_applies_each_delta_once
     let dir = scratch("cluster-chaos");
     let text = std::fs::read_to_string(example()).unwrap();
     // Same cluster, clean links, plus chaos: SIGKILL an edge and an aggregator mid-training.
-    let text = text.replace("[[edges]]\nname = \"edge-2\"\n[edges.relay]\nseed = 2\nup = { latency_ms = 200, loss = 0.2 }\ndown = { latency_ms = 200, loss = 0.2 }\n", "[[edges]]\nname = \"edge-2\"\n");
+    let text = text.replace("[[edges]]\nname = \"edge-2\"\n[edges.relay]\nseed = 2\nup = { latency_ms = 100, loss = 0.2 }     # 100 ms each way: 200 ms round trip\ndown = { latency_ms = 100, loss = 0.2 }\n", "[[edges]]\nname = \"edge-2\"\n");
     let chaos = format!(
         "{text}\n[[chaos]]\nkill = \"edge-1\"\nat_s = 4.0\ndown_s = 1.0\n\n[[chaos]]\nkill = \"agg-1\"\nat_s = 6.0\ndown_s = 1.0\n"
     );

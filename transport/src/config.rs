@@ -31,6 +31,19 @@ pub struct TransportConfig {
     /// stopped and reported as [`TransportError::TooLarge`]
     /// (default `HEADER_LEN + DEFAULT_MAX_BODY_LEN`).
     pub max_message_bytes: usize,
+    /// Congestion controller of every connection (default [`Congestion::Bbr`]).
+    pub congestion: Congestion,
+}
+
+/// QUIC congestion controller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Congestion {
+    /// BBR: paces by measured bandwidth and RTT and does not halve its window on every loss,
+    /// so random loss on a lossy edge link (not congestion) does not starve the connection.
+    #[default]
+    Bbr,
+    /// CUBIC (quinn's default): loss-based, backs off on every loss.
+    Cubic,
 }
 
 impl Default for TransportConfig {
@@ -42,6 +55,7 @@ impl Default for TransportConfig {
             receive_window: 64 << 20,
             send_window: 64 << 20,
             max_message_bytes: protocol::HEADER_LEN + protocol::DEFAULT_MAX_BODY_LEN as usize,
+            congestion: Congestion::default(),
         }
     }
 }
@@ -115,6 +129,18 @@ impl TransportConfig {
             .send_window(self.send_window)
             .max_concurrent_uni_streams(MAX_CONCURRENT_UNI_STREAMS.into())
             .max_concurrent_bidi_streams(MAX_CONCURRENT_BIDI_STREAMS.into());
+        match self.congestion {
+            Congestion::Bbr => {
+                quinn_config.congestion_controller_factory(Arc::new(
+                    quinn::congestion::BbrConfig::default(),
+                ));
+            }
+            Congestion::Cubic => {
+                quinn_config.congestion_controller_factory(Arc::new(
+                    quinn::congestion::CubicConfig::default(),
+                ));
+            }
+        }
         Ok(Arc::new(quinn_config))
     }
 }

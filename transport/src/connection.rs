@@ -132,19 +132,17 @@ impl PeerConnection {
         let frame = self.encode(msg)?;
         let len = frame.len();
         let opened = tokio::time::timeout_at(deadline, self.inner.connection.open_uni()).await;
-        let mut stream = match opened {
+        let stream = match opened {
             Err(_elapsed) => return Err(TransportError::timeout_after(self.peer_name(), timeout)),
             Ok(opened) => opened.map_err(from_connection_error)?,
         };
-        match tokio::time::timeout_at(deadline, stream.write_chunk(frame)).await {
-            Err(_elapsed) => {
-                // Already closed or reset streams need no reset.
-                let _ = stream.reset(VarInt::from_u32(STREAM_CODE_SEND_TIMEOUT));
-                Err(TransportError::timeout_after(self.peer_name(), timeout))
-            }
+        // Dropped before `finish` (timeout, or the caller's future cancelled): reset.
+        let mut guard = ResetOnDrop(Some(stream));
+        match tokio::time::timeout_at(deadline, guard.stream().write_chunk(frame)).await {
+            Err(_elapsed) => Err(TransportError::timeout_after(self.peer_name(), timeout)),
             Ok(written) => {
                 written.map_err(|e| self.write_error(e))?;
-                stream.finish().map_err(|_| TransportError::Closed)?;
+                guard.finish()?;
                 Ok(len)
             }
         }
@@ -159,17 +157,32 @@ impl PeerConnection {
     /// Write `frame` on a new stream and finish it (the buffer is handed to
     /// QUIC without a copy).
     async fn send_bytes(&self, frame: Bytes) -> Result<(), TransportError> {
-        let mut stream = self
+        let stream = self
             .inner
             .connection
             .open_uni()
             .await
             .map_err(from_connection_error)?;
-        stream
+        let mut guard = ResetOnDrop(Some(stream));
+        guard
+            .stream()
             .write_chunk(frame)
             .await
             .map_err(|e| self.write_error(e))?;
-        stream.finish().map_err(|_| TransportError::Closed)
+        guard.finish()
+    }
+
+    /// [`PeerConnection::send_frame`] with a deadline: when it passes, the stream is reset
+    /// and [`TransportError::Timeout`] is returned.
+    pub async fn send_frame_with_timeout(
+        &self,
+        frame: Bytes,
+        timeout: Duration,
+    ) -> Result<(), TransportError> {
+        match tokio::time::timeout(timeout, self.send_bytes(frame)).await {
+            Ok(r) => r,
+            Err(_elapsed) => Err(TransportError::timeout_after(self.peer_name(), timeout)),
+        }
     }
 
     /// The next message from the peer, in the order streams complete.
@@ -249,6 +262,33 @@ impl PeerConnection {
 
 /// Accept the peer's streams until the connection ends, reading each in its
 /// own task; finally report how the connection ended.
+/// A send stream that is reset (not finished) if it is dropped before [`Self::finish`]:
+/// quinn finishes a dropped `SendStream`, which would hand the peer a truncated frame when a
+/// send is cancelled or times out. A reset stream is dropped by the peer's reader instead.
+struct ResetOnDrop(Option<quinn::SendStream>);
+
+impl ResetOnDrop {
+    fn stream(&mut self) -> &mut quinn::SendStream {
+        self.0.as_mut().expect("stream present until finish")
+    }
+
+    fn finish(&mut self) -> Result<(), TransportError> {
+        match self.0.take() {
+            Some(mut s) => s.finish().map_err(|_| TransportError::Closed),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ResetOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut s) = self.0.take() {
+            // Already closed or reset streams need no reset.
+            let _ = s.reset(VarInt::from_u32(STREAM_CODE_SEND_TIMEOUT));
+        }
+    }
+}
+
 async fn read_streams(
     connection: quinn::Connection,
     peer: String,
@@ -559,6 +599,33 @@ mod tests {
             .await
             .unwrap();
         assert!(sent > protocol::HEADER_LEN);
+        assert_eq!(bounded(from_worker.recv()).await.unwrap(), delta_ack(3, 0));
+    }
+    #[tokio::test]
+    async fn a_cancelled_send_resets_its_stream_instead_of_truncating_it() {
+        let dir = cert_dir(&["worker", "agg"]);
+        let config = TransportConfig {
+            stream_receive_window: 32 << 10,
+            receive_window: 256 << 10,
+            ..TransportConfig::default()
+        };
+        let worker = bind(dir.path(), "worker", &config);
+        let agg = bind(dir.path(), "agg", &config);
+        let (to_agg, from_worker) = connect_pair(&worker, &agg, "agg").await;
+        for seq in 0..MAX_UNDELIVERED_MESSAGES as u64 {
+            bounded(to_agg.send(&delta_ack(1, seq))).await.unwrap();
+        }
+        // The caller gives up on a plain send (its future is dropped mid-write), as a
+        // tokio::time::timeout or an aborted task does.
+        let big = layer_delta(2, 0, 256 << 10);
+        let cancelled = tokio::time::timeout(Duration::from_millis(300), to_agg.send(&big)).await;
+        assert!(cancelled.is_err(), "the send should still be blocked on flow control");
+        // The peer never sees a truncated frame: only the queued acks, then the next message.
+        for _ in 0..MAX_UNDELIVERED_MESSAGES {
+            let m = bounded(from_worker.recv()).await;
+            assert!(matches!(m, Ok(Message::DeltaAck(_))), "{m:?}");
+        }
+        bounded(to_agg.send(&delta_ack(3, 0))).await.unwrap();
         assert_eq!(bounded(from_worker.recv()).await.unwrap(), delta_ack(3, 0));
     }
 }

@@ -32,7 +32,7 @@ mod test_support;
 
 pub use bench::{bench_transport_vs_raw, BenchParams, BenchResult};
 pub use certs::{create_cluster_certs, validate_node_name, TlsIdentity};
-pub use config::TransportConfig;
+pub use config::{Congestion, TransportConfig};
 pub use connection::PeerConnection;
 pub use error::{CertError, TransportError};
 pub use node::QuicNode;

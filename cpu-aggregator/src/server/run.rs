@@ -86,6 +86,11 @@ enum Inbound {
         peer: String,
         msg: Message,
     },
+    /// A layer-version send to a subscriber finished (delivered, failed or timed out).
+    VersionSent {
+        conn: u64,
+        layer: u32,
+    },
     Connected {
         conn: u64,
         link: PeerConnection,
@@ -114,6 +119,11 @@ struct Shell {
     bad_peers: u64,
     resumed: bool,
     send_timeout: Duration,
+    /// Per (subscriber, layer): a version send is in progress, and the newest frame waiting
+    /// behind it (older waiting versions are superseded, never queued: a slow subscriber
+    /// gets the latest version, not a backlog).
+    version_slots: HashMap<(u64, u32), Option<bytes::Bytes>>,
+    inbound_tx: mpsc::UnboundedSender<Inbound>,
 }
 
 /// Runs an aggregator until `shutdown` is cancelled.
@@ -208,6 +218,8 @@ pub async fn run_aggregator(
         bad_peers: 0,
         resumed,
         send_timeout: Duration::from_secs(10),
+        version_slots: HashMap::new(),
+        inbound_tx: tx.clone(),
     };
     let mut stats_tick = tokio::time::interval(Duration::from_millis(500));
     let mut fatal = None;
@@ -455,6 +467,7 @@ impl Shell {
             }
             Inbound::Closed { conn } => {
                 self.conns.remove(&conn);
+                self.version_slots.retain(|(c, _), _| *c != conn);
                 self.subscribers.remove(&conn);
                 if let Some(node) = self.conn_node.remove(&conn) {
                     if self.node_conn.get(&node) == Some(&conn) {
@@ -463,6 +476,12 @@ impl Shell {
                 }
             }
             Inbound::BadPeer => self.bad_peers += 1,
+            Inbound::VersionSent { conn, layer } => {
+                let next = self.version_slots.remove(&(conn, layer)).flatten();
+                if let Some(frame) = next {
+                    self.send_version(conn, layer, frame);
+                }
+            }
             Inbound::Message { conn, peer, msg } if conn == COORDINATOR => {
                 self.handle_coordinator(msg)?;
                 let _ = peer;
@@ -700,21 +719,23 @@ impl Shell {
                     });
                 }
                 Output::Broadcast { msg } => {
+                    let layer = match &msg {
+                        Message::LayerVersion(v) => v.layer_id,
+                        _ => u32::MAX,
+                    };
                     let frame = match encode_frame(&msg) {
-                        Ok(f) => Arc::new(f),
+                        Ok(f) => bytes::Bytes::from(f),
                         Err(e) => {
                             error!("[ERROR] encoding a broadcast failed: {e}");
                             continue;
                         }
                     };
-                    for conn in &self.subscribers {
-                        if let Some(link) = self.conns.get(conn).cloned() {
-                            let frame = Arc::clone(&frame);
-                            let timeout = self.send_timeout;
-                            tokio::spawn(async move {
-                                let _ =
-                                    tokio::time::timeout(timeout, link.send_frame(&frame)).await;
-                            });
+                    let subscribers: Vec<u64> = self.subscribers.iter().copied().collect();
+                    for conn in subscribers {
+                        match self.version_slots.get_mut(&(conn, layer)) {
+                            // Busy: the newest version waits (replacing an older one).
+                            Some(waiting) => *waiting = Some(frame.clone()),
+                            None => self.send_version(conn, layer, frame.clone()),
                         }
                     }
                 }
@@ -722,6 +743,20 @@ impl Shell {
             }
         }
         Ok(())
+    }
+
+    /// Sends one layer-version frame to a subscriber; its completion frees the slot.
+    fn send_version(&mut self, conn: u64, layer: u32, frame: bytes::Bytes) {
+        let Some(link) = self.conns.get(&conn).cloned() else {
+            return;
+        };
+        self.version_slots.insert((conn, layer), None);
+        let timeout = self.send_timeout;
+        let done = self.inbound_tx.clone();
+        tokio::spawn(async move {
+            let _ = link.send_frame_with_timeout(frame, timeout).await;
+            let _ = done.send(Inbound::VersionSent { conn, layer });
+        });
     }
 
     fn persist(&self) -> Result<(), AggregatorRunError> {

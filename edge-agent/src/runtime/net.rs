@@ -160,6 +160,7 @@ pub async fn start_node_net(
         links: Arc::clone(&links),
         events,
         shutdown: shutdown.clone(),
+        delta_sends: Arc::default(),
     };
     ctx.ensure_aggregators(&join_ack.aggregators);
     let task = tokio::spawn(ctx.run(coordinator, rx));
@@ -251,6 +252,10 @@ struct Ctx {
     links: Arc<Mutex<Links>>,
     events: std::sync::mpsc::Sender<NetEvent>,
     shutdown: CancellationToken,
+    /// The send task of the latest delta per (aggregator, layer): a new attempt of a layer
+    /// cancels the previous one (its stream is reset), so retransmissions never pile up on a
+    /// slow link.
+    delta_sends: Arc<Mutex<HashMap<(NodeId, u32), tokio::task::AbortHandle>>>,
 }
 
 impl Ctx {
@@ -382,20 +387,32 @@ impl Ctx {
     }
 
     fn dispatch(&self, cmd: NetCommand) {
-        let (conn, msg) = match cmd {
-            NetCommand::ToAggregator(id, msg) => (self.links().aggregators.get(&id).cloned(), msg),
-            NetCommand::ToCoordinator(msg) => (self.links().coordinator.clone(), msg),
+        let (conn, msg, slot) = match cmd {
+            NetCommand::ToAggregator(id, msg) => {
+                let slot = match &msg {
+                    Message::LayerDelta(p) => Some((id, p.layer_id)),
+                    _ => None,
+                };
+                (self.links().aggregators.get(&id).cloned(), msg, slot)
+            }
+            NetCommand::ToCoordinator(msg) => (self.links().coordinator.clone(), msg, None),
         };
         let Some(conn) = conn else {
             debug!("no connection for a {} message; dropped", msg.kind());
             return;
         };
         let timeout = self.config.send_timeout;
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             if let Err(e) = conn.send_with_timeout(&msg, timeout).await {
                 debug!("send of {} to {} failed: {e}", msg.kind(), conn.peer_name());
             }
         });
+        if let Some(slot) = slot {
+            let mut sends = self.delta_sends.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(previous) = sends.insert(slot, task.abort_handle()) {
+                previous.abort();
+            }
+        }
     }
 
     /// Reads from the coordinator; re-joins when the connection is lost.
