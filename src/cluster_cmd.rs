@@ -41,6 +41,20 @@ pub struct ClusterArgs {
     /// Override the training steps of every trainer.
     #[arg(long)]
     pub steps: Option<u64>,
+    /// Soak test: `kill -9` (and restart after 1 s) each process named here at
+    /// `--random-kills` random instants (repeatable, e.g. `--kill edge-2 --kill agg-1`).
+    #[arg(long = "kill")]
+    pub kill: Vec<String>,
+    /// Random instants per `--kill` process, uniform in `[1 s, --kill-window-s]` after the
+    /// trainers start.
+    #[arg(long, default_value_t = 20)]
+    pub random_kills: usize,
+    /// The window the random kills fall in, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub kill_window_s: f64,
+    /// Seed of the random kill instants.
+    #[arg(long, default_value_t = 1)]
+    pub kill_seed: u64,
 }
 
 /// The cluster file.
@@ -375,6 +389,7 @@ pub fn run(args: ClusterArgs) -> Result<()> {
     if let Some(steps) = args.steps {
         file.training.steps = steps;
     }
+    file.chaos.extend(random_kills(&args));
     let base_dir = args.file.parent().unwrap_or(Path::new(".")).to_path_buf();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -383,6 +398,32 @@ pub fn run(args: ClusterArgs) -> Result<()> {
     let summary = runtime.block_on(run_cluster(file, &args, &base_dir))?;
     print_table(&summary);
     Ok(())
+}
+
+/// `--kill NAME` × `--random-kills N`: seeded instants, at least 1.5 s apart per process so
+/// each restart (1 s down) completes before the next kill.
+fn random_kills(args: &ClusterArgs) -> Vec<ChaosEvent> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.kill_seed);
+    let mut events = Vec::new();
+    for name in &args.kill {
+        let mut at: Vec<f64> = Vec::new();
+        let mut tries = 0;
+        while at.len() < args.random_kills && tries < 100_000 {
+            tries += 1;
+            let t = rng.random_range(1.0..args.kill_window_s.max(1.5));
+            if at.iter().all(|&o| (o - t).abs() >= 1.5) {
+                at.push(t);
+            }
+        }
+        at.sort_by(f64::total_cmp);
+        events.extend(at.into_iter().map(|at_s| ChaosEvent {
+            kill: name.clone(),
+            at_s,
+            down_s: 1.0,
+        }));
+    }
+    events
 }
 
 fn validate(file: &ClusterFile) -> Result<()> {

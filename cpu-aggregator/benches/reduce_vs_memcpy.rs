@@ -49,7 +49,8 @@ fn main() {
                     seq,
                     sample_count: 32,
                 };
-                let p = payload_from_f32(meta, &[LEN as u32], &delta, Codec::RawF32).expect("payload");
+                let p =
+                    payload_from_f32(meta, &[LEN as u32], &delta, Codec::RawF32).expect("payload");
                 (node, Message::LayerDelta(p))
             })
             .collect();
@@ -59,7 +60,11 @@ fn main() {
         }
         while agg.poll_output().is_some() {}
         agg_secs.push(t.elapsed().as_secs_f64());
-        assert_eq!(agg.layer(0).expect("owned").version, version + 1, "one round applied");
+        assert_eq!(
+            agg.layer(0).expect("owned").version,
+            version + 1,
+            "one round applied"
+        );
 
         let t = Instant::now();
         for s in &src {
@@ -84,5 +89,8 @@ fn main() {
         ROUNDS - 1
     );
     println!("memcpy of the same bytes: {:.2} GB/s", gbs(copy_s));
-    println!("ratio aggregator/memcpy = {:.2}x (target >= 0.8x)", copy_s / agg_s);
+    println!(
+        "ratio aggregator/memcpy = {:.2}x (target >= 0.8x)",
+        copy_s / agg_s
+    );
 }

@@ -619,7 +619,10 @@ mod tests {
         // tokio::time::timeout or an aborted task does.
         let big = layer_delta(2, 0, 256 << 10);
         let cancelled = tokio::time::timeout(Duration::from_millis(300), to_agg.send(&big)).await;
-        assert!(cancelled.is_err(), "the send should still be blocked on flow control");
+        assert!(
+            cancelled.is_err(),
+            "the send should still be blocked on flow control"
+        );
         // The peer never sees a truncated frame: only the queued acks, then the next message.
         for _ in 0..MAX_UNDELIVERED_MESSAGES {
             let m = bounded(from_worker.recv()).await;
