@@ -19,13 +19,16 @@
 //! groups = [
 //!   { name = "dc", count = 2, workers = 4, device = "a100", slowdown = 1.0, jitter = 0.05 },
 //! ]
-//! [clusters.devices.my-gpu]        # optional device classes besides the built-in ones
-//! flops = 20e12
+//! [devices.my-gpu]                 # optional device classes besides the built-in ones
+//! flops = 20e12                    # (the older `[clusters.devices.NAME]` is also read)
 //! layer_overhead_s = 1e-4
+//! [devices.my-gpu.layers]          # optional measured per-layer times, replacing FLOP-derived
+//! fc1 = { forward_ms = 0.21, backward_ms = 0.40 }
 //! ```
 //!
 //! A group is `count` identical clusters (named `name-0`, `name-1`, … or `name` when `count = 1`)
-//! of `workers` workers each on `device` (a built-in [`DeviceClass`] or one of `devices`), with
+//! of `workers` workers each on `device`, a class of the scenario's device registry
+//! ([`Scenario::device`]: built-in, `[devices.NAME]` or `[clusters.devices.NAME]`), with
 //! a straggler `slowdown` and per-step `jitter` (see [`Straggler`]).
 //!
 //! # Model of a cluster
@@ -87,7 +90,7 @@ use engine::plan::{ScheduleKind, Strategy};
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::compute::{DeviceClass, Straggler};
+use crate::compute::{Device, DeviceClass, Straggler};
 use crate::link::{Bandwidth, LinkError};
 use crate::report::StrategyResult;
 use crate::scenario::Scenario;
@@ -124,7 +127,8 @@ pub struct ClustersSpec {
     /// Stop each strategy as soon as the target is reached.
     #[serde(default)]
     pub stop_at_target: bool,
-    /// Device classes besides the built-in ones, by name.
+    /// Device classes by name (the older form of `[devices]`); [`Scenario::parse`] folds them
+    /// into the scenario's registry, through which every group's device is resolved.
     #[serde(default)]
     pub devices: BTreeMap<String, DeviceClass>,
 }
@@ -140,7 +144,8 @@ pub struct GroupSpec {
     pub count: usize,
     /// Workers (GPUs, or CPU sockets) per cluster.
     pub workers: usize,
-    /// Device class: built-in name or a key of `[clusters.devices]`.
+    /// Device class: a name in the scenario's device registry (built-in, `[devices]` or
+    /// `[clusters.devices]`).
     pub device: String,
     /// Straggler slowdown (1.0 = nominal).
     #[serde(default = "one_f64")]
@@ -221,8 +226,8 @@ pub struct ClusterSetup {
     pub name: String,
     /// Workers.
     pub workers: usize,
-    /// Device class.
-    pub device: DeviceClass,
+    /// Device class, resolved through the scenario's device registry.
+    pub device: Device,
     /// Straggler model.
     pub straggler: Straggler,
 }
@@ -262,20 +267,6 @@ impl ClustersSpec {
                 "must be positive".into(),
             ));
         }
-        for (name, d) in &self.devices {
-            if !(d.flops.is_finite() && d.flops > 0.0) {
-                return Err(bad(
-                    format!("clusters.devices.{name}.flops"),
-                    format!("must be a positive number, got {}", d.flops),
-                ));
-            }
-            if !(d.layer_overhead_s.is_finite() && d.layer_overhead_s >= 0.0) {
-                return Err(bad(
-                    format!("clusters.devices.{name}.layer_overhead_s"),
-                    format!("must be a non-negative number, got {}", d.layer_overhead_s),
-                ));
-            }
-        }
         if self.groups.is_empty() {
             return Err(bad(
                 "clusters.groups".into(),
@@ -306,23 +297,9 @@ impl ClustersSpec {
                     format!("must be a non-negative fraction, got {}", group.jitter),
                 ));
             }
-            let device = self
-                .devices
-                .get(&group.device)
-                .cloned()
-                .or_else(|| DeviceClass::builtin(&group.device))
-                .ok_or_else(|| {
-                    let mut known: Vec<&str> = DeviceClass::BUILTIN.to_vec();
-                    known.extend(self.devices.keys().map(String::as_str));
-                    bad(
-                        key("device"),
-                        format!(
-                            "unknown device '{}'; known: {}",
-                            group.device,
-                            known.join(", ")
-                        ),
-                    )
-                })?;
+            let device = scenario
+                .device(&group.device, &key("device"))
+                .map_err(|e| bad(e.key, e.problem))?;
             for i in 0..group.count {
                 let name = if group.count == 1 {
                     group.name.clone()

@@ -107,7 +107,8 @@ pub struct Scenario {
     /// The edge table (kind = edge).
     pub edge: Option<crate::edge::EdgeSpec>,
     /// Device classes besides the built-in ones (`[devices.NAME]`), usable by every kind.
-    /// After loading it also holds the classes of `[clusters.devices]`.
+    /// After loading it also holds the classes of `[clusters.devices]`; resolve through
+    /// [`Scenario::device`].
     #[serde(default)]
     pub devices: DeviceRegistry,
     /// Named link specs that the tables above refer to.
@@ -181,25 +182,18 @@ impl Scenario {
     }
 
     /// Makes [`Scenario::devices`] the one registry: folds `[clusters.devices]` into it (a
-    /// name defined in both tables is an error), validates every class, and gives the clusters
-    /// table every class that has a FLOP rate, so its own lookup finds top-level classes too.
+    /// name defined in both tables is an error) and validates every class.
     fn merge_device_tables(&mut self, src: &str) -> Result<(), ScenarioError> {
         let invalid = |e: ComputeError| ScenarioError::Invalid {
             source_name: src.to_string(),
             key: e.key,
             problem: e.problem,
         };
-        if let Some(clusters) = &mut self.clusters {
+        if let Some(clusters) = &self.clusters {
             for (name, class) in &clusters.devices {
                 self.devices
                     .add("clusters.devices", name, DeviceSpec::from(class.clone()))
                     .map_err(invalid)?;
-            }
-            self.devices.validate().map_err(invalid)?;
-            for (name, spec) in self.devices.custom() {
-                if let Some(rate) = spec.rate() {
-                    clusters.devices.insert(name.to_string(), rate);
-                }
             }
         }
         self.devices.validate().map_err(invalid)
@@ -311,13 +305,16 @@ groups = [{ name = "dc", count = 2, workers = 1, device = "timed" }]
     }
 
     #[test]
-    fn top_level_classes_reach_the_clusters_table_and_resolve() {
+    fn top_level_classes_resolve_for_the_clusters_groups() {
         let s = parse("[devices.timed]\nflops = 3e9\n[devices.timed.layers]\nfc1 = { forward_ms = 1.5, backward_ms = 3 }\n[devices.layers-only.layers]\nfc1 = { forward_ms = 1, backward_ms = 2 }\n")
             .expect("parses");
         let clusters = s.clusters.as_ref().expect("clusters");
-        assert_eq!(clusters.devices["timed"].flops, 3e9);
+        let setups = clusters.clusters(&s).expect("groups resolve");
+        assert_eq!(setups[0].device.name, "timed");
+        assert_eq!(setups[0].device.rate.as_ref().map(|r| r.flops), Some(3e9));
+        let layers_only = s.device("layers-only", "k").expect("resolves");
         assert!(
-            !clusters.devices.contains_key("layers-only"),
+            layers_only.rate.is_none(),
             "a class without a rate has no FLOP form"
         );
         let d = s

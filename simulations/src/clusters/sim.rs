@@ -46,9 +46,9 @@ use engine::plan::{PlanConfig, Strategy, SyncPlan};
 use engine::schedule::{LayerProfile, ModelProfile};
 use gpu_worker::collective::ReduceKey;
 use gpu_worker::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
-use gpu_worker::task::{ModelKind, Task};
+use gpu_worker::task::Task;
 
-use crate::compute::StepTimes;
+use crate::compute::{layer_costs, StepTimes};
 use crate::replica::Replica;
 use crate::report::{SeriesPoint, StrategyResult, SyncEvent};
 use crate::rng::SimRng;
@@ -194,15 +194,7 @@ impl<'a> Simulation<'a> {
             .map(|s| s.workers as f32 / total_workers as f32)
             .collect();
         let global = task.build_model(scenario.seed);
-        let macs: Vec<u64> = global
-            .layers
-            .iter()
-            .map(|l| l.layer.forward_macs_per_sample())
-            .collect();
-        let samples = match (&task.model, &task.gpt) {
-            (ModelKind::GptTiny, Some(g)) => scenario.batch * g.context,
-            _ => scenario.batch,
-        };
+        let costs = layer_costs(&global, task);
         let layer_count = global.layers.len();
         let layer_len: Vec<usize> = global
             .layers
@@ -234,7 +226,13 @@ impl<'a> Simulation<'a> {
                 step_latency: SimDuration::try_from_secs_f64(spec.intra_latency_us * 1e-6)
                     .unwrap_or(SimDuration::ZERO),
             };
-            let nominal = StepTimes::from_macs(&setup.device, &macs, samples);
+            let nominal = setup
+                .device
+                .step_times(&costs, scenario.batch)
+                .map_err(|e| ClustersError::Invalid {
+                    key: e.key,
+                    problem: e.problem,
+                })?;
             clusters.push(ClusterModel {
                 setup,
                 intra,

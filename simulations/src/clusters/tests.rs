@@ -124,6 +124,61 @@ layer_overhead_s = 1e-6"#,
 }
 
 #[test]
+fn given_layer_times_replace_the_flop_derived_ones() {
+    // `fc1` has measured times (at the scenario's batch, so unscaled); every other layer is
+    // FLOP-derived. A simulator that ignored the given times would charge fc1 ~0.3 ms, not 10.
+    let s = scenario(
+        r#"groups = [{ name = "dc", count = 2, workers = 1, device = "timed" }]"#,
+        "bandwidth = \"8mbit\"\nlatency_ms = 10",
+        "[devices.timed]\nflops = 1e9\nlayer_overhead_s = 1e-6\n[devices.timed.layers]\nfc1 = { forward_ms = 3, backward_ms = 7 }\n",
+    );
+    let task = digits_task(ModelKind::Mlp);
+    let model = task.build_model(5);
+    assert!(model.layers.iter().any(|l| l.name == "fc1"), "mlp has fc1");
+    let device = DeviceClass {
+        flops: 1e9,
+        layer_overhead_s: 1e-6,
+    };
+    let mut compute_ns = 0u64;
+    for l in &model.layers {
+        let (f, b) = if l.name == "fc1" {
+            (3e-3, 7e-3)
+        } else {
+            let macs = l.layer.forward_macs_per_sample();
+            (device.forward_s(macs, 16), device.backward_s(macs, 16))
+        };
+        compute_ns += (f * 1e9).round() as u64 + (b * 1e9).round() as u64;
+    }
+    let bytes = model.param_count() as u64 * 4;
+    let step_ns = compute_ns + 10_000_000 + bytes * 1000;
+    let r = run(&s, &task, "ssgd");
+    assert!(
+        (r.mean_step_s - step_ns as f64 * 1e-9).abs() < 1e-12,
+        "{} vs {}",
+        r.mean_step_s,
+        step_ns as f64 * 1e-9
+    );
+}
+
+#[test]
+fn given_times_for_a_layer_the_model_lacks_name_the_key() {
+    let s = scenario(
+        r#"groups = [{ name = "dc", count = 2, workers = 1, device = "timed" }]"#,
+        "bandwidth = \"8mbit\"",
+        "[devices.timed]\nflops = 1e9\n[devices.timed.layers]\nfc9 = { forward_ms = 3, backward_ms = 7 }\n",
+    );
+    let task = digits_task(ModelKind::Mlp);
+    let e = simulate(&s, &task, "ssgd", &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("devices.timed.layers.fc9: the model has no layer 'fc9'")
+            && e.contains("fc1"),
+        "{e}"
+    );
+}
+
+#[test]
 fn intra_cluster_reduce_is_charged_and_counted() {
     let one = scenario(
         r#"groups = [{ name = "dc", count = 2, workers = 1, device = "a100" }]"#,
