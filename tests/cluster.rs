@@ -85,8 +85,7 @@ fn lossy_cluster_trains_within_one_point_of_the_clean_cluster() {
 /// SIGKILL while its cache holds them and restarted during the outage; an aggregator is
 /// killed and restarted too.
 fn chaos_cluster() -> String {
-    format!(
-        r#"
+    r#"
 [cluster]
 name = "chaos"
 timeout_s = 600
@@ -125,8 +124,8 @@ name = "edge-1"
 [[edges]]
 name = "edge-2"
 [edges.relay]
-up = {{ latency_ms = 5, outages = [{{ start_s = 1.0, duration_s = 7.0 }}] }}
-down = {{ latency_ms = 5, outages = [{{ start_s = 1.0, duration_s = 7.0 }}] }}
+up = { latency_ms = 5, outages = [{ start_s = 1.0, duration_s = 7.0 }] }
+down = { latency_ms = 5, outages = [{ start_s = 1.0, duration_s = 7.0 }] }
 
 [[chaos]]
 kill = "edge-2"
@@ -138,7 +137,7 @@ kill = "agg-1"
 at_s = 2.5
 down_s = 1.0
 "#
-    )
+    .to_string()
 }
 
 #[test]

@@ -84,7 +84,7 @@ fn main() {
     let gbs = |s: f64| bytes_per_round as f64 / s / 1e9;
     println!(
         "aggregator reduce: {SENDERS} senders x {} MiB: {:.2} GB/s (median of {} rounds)",
-        LEN * 4 >> 20,
+        (LEN * 4) >> 20,
         gbs(agg_s),
         ROUNDS - 1
     );
