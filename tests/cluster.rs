@@ -80,9 +80,10 @@ fn lossy_cluster_trains_within_one_point_of_the_clean_cluster() {
     assert!(metrics.contains("dreamddp_layer_version"), "{metrics}");
 }
 
-/// The example cluster on clean links, except edge-2, whose relay has an outage from 1 s to
-/// 8 s: its deltas miss their deadlines and go to the durable cache. The edge is killed with
-/// SIGKILL while its cache holds them and restarted during the outage; an aggregator is
+/// The example cluster on clean links, except edge-2, whose relay has an outage from 2 s to
+/// 20 s: its deltas miss their deadlines and go to the durable cache. The edge is killed with
+/// SIGKILL at 14 s (after its bootstrap wait of at most 10 s and some training, or while it
+/// drains) while its cache holds them, and restarted during the outage; an aggregator is
 /// killed and restarted too.
 fn chaos_cluster() -> String {
     r#"
@@ -124,12 +125,12 @@ name = "edge-1"
 [[edges]]
 name = "edge-2"
 [edges.relay]
-up = { latency_ms = 5, outages = [{ start_s = 1.0, duration_s = 7.0 }] }
-down = { latency_ms = 5, outages = [{ start_s = 1.0, duration_s = 7.0 }] }
+up = { latency_ms = 5, outages = [{ start_s = 2.0, duration_s = 18.0 }] }
+down = { latency_ms = 5, outages = [{ start_s = 2.0, duration_s = 18.0 }] }
 
 [[chaos]]
 kill = "edge-2"
-at_s = 4.0
+at_s = 14.0
 down_s = 1.0
 
 [[chaos]]
