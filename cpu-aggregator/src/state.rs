@@ -29,10 +29,10 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use engine::staleness::{aggregate, DeltaContribution};
+use engine::staleness::{aggregate, DeltaContribution, DeltaSlice, LeF32Bytes};
 use protocol::{
-    codec, CodecError, DeltaAck, ErrorReply, LayerPayload, LayerVersion, Message, Resync,
-    ResyncReason,
+    codec, shape_element_count, Codec, CodecError, DeltaAck, ErrorReply, LayerPayload,
+    LayerVersion, Message, Resync, ResyncReason,
 };
 
 use crate::config::{AggregatorConfig, NodeId, OwnedLayer};
@@ -166,7 +166,30 @@ struct PendingDelta {
     seq: u64,
     samples: u64,
     tau: u64,
-    delta: Vec<f32>,
+    delta: PendingValues,
+}
+
+/// A pending delta's values: a raw-f32 payload is kept as the wire bytes and read in place
+/// when the round is applied (no decoded copy); other codecs are decoded on arrival.
+#[derive(Clone, Debug)]
+enum PendingValues {
+    RawLe(Vec<u8>),
+    Decoded(Vec<f32>),
+}
+
+impl DeltaSlice for PendingValues {
+    fn len(&self) -> usize {
+        match self {
+            PendingValues::RawLe(b) => LeF32Bytes(b).len(),
+            PendingValues::Decoded(v) => v.len(),
+        }
+    }
+    fn add_scaled_to(&self, current: &mut [f32], scale: f32) {
+        match self {
+            PendingValues::RawLe(b) => LeF32Bytes(b).add_scaled_to(current, scale),
+            PendingValues::Decoded(v) => v.as_slice().add_scaled_to(current, scale),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -190,7 +213,13 @@ pub struct AggregatorState {
     highest_applied_seq: HashMap<(NodeId, u32), u64>,
     outputs: VecDeque<Output>,
     counters: AggregatorCounters,
+    /// Delta buffers of applied rounds, reused for the next deltas (no fresh multi-MB
+    /// allocation, and its page faults, per message).
+    spare: Vec<Vec<f32>>,
 }
+
+/// Spare delta buffers kept for reuse.
+const MAX_SPARE_BUFFERS: usize = 32;
 
 impl AggregatorState {
     /// An aggregator `id` owning `layers` (each at version 0 with the given values).
@@ -208,6 +237,7 @@ impl AggregatorState {
             highest_applied_seq: HashMap::new(),
             outputs: VecDeque::new(),
             counters: AggregatorCounters::default(),
+            spare: Vec::new(),
         };
         for layer in layers {
             state.add_layer(layer, 0)?;
@@ -419,13 +449,29 @@ impl AggregatorState {
             return self.drop_stale(li, from, p.seq, reason);
         }
 
-        let delta = match p.decode_values() {
-            Ok(delta) => delta,
-            Err(source) => return self.reject(from, InputError::Decode { layer_id, source }),
+        let delta = if p.codec == Codec::RawF32 {
+            // Validated in place; the payload bytes themselves are kept.
+            if let Err(source) = shape_element_count(&p.shape)
+                .and_then(|len| codec::check_encoded_len(&p.payload, p.codec, len))
+            {
+                return self.reject(from, InputError::Decode { layer_id, source });
+            }
+            if let Some(index) = LeF32Bytes(&p.payload).first_non_finite() {
+                return self.reject(from, InputError::NonFinite { layer_id, index });
+            }
+            PendingValues::RawLe(p.payload)
+        } else {
+            let mut values = self.spare.pop().unwrap_or_default();
+            if let Err(source) = p.decode_values_into(&mut values) {
+                self.spare.push(values);
+                return self.reject(from, InputError::Decode { layer_id, source });
+            }
+            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+                self.spare.push(values);
+                return self.reject(from, InputError::NonFinite { layer_id, index });
+            }
+            PendingValues::Decoded(values)
         };
-        if let Some(index) = delta.iter().position(|v| !v.is_finite()) {
-            return self.reject(from, InputError::NonFinite { layer_id, index });
-        }
         let layer = &mut self.layers[li];
         layer.pending.push(PendingDelta {
             from,
@@ -435,10 +481,13 @@ impl AggregatorState {
             delta,
         });
         layer.round_started_at.get_or_insert(now);
-        let mut senders: Vec<NodeId> = layer.pending.iter().map(|d| d.from).collect();
-        senders.sort_unstable();
-        senders.dedup();
-        if senders.len() >= self.config.round_size {
+        let distinct_senders = layer
+            .pending
+            .iter()
+            .enumerate()
+            .filter(|(i, d)| !layer.pending[..*i].iter().any(|e| e.from == d.from))
+            .count();
+        if distinct_senders >= self.config.round_size {
             self.apply_round(li);
         }
     }
@@ -588,7 +637,7 @@ impl AggregatorState {
             return;
         }
         let layer_id = layer.layer_id;
-        let contributions: Vec<DeltaContribution<'_>> = pending
+        let contributions: Vec<DeltaContribution<'_, PendingValues>> = pending
             .iter()
             .map(|d| DeltaContribution {
                 delta: &d.delta,
@@ -661,6 +710,13 @@ impl AggregatorState {
         match self.layer_version_message(li) {
             Ok(msg) => self.outputs.push_back(Output::Broadcast { msg }),
             Err(e) => self.internal_error(layer_id, e.to_string()),
+        }
+        for d in pending {
+            if let PendingValues::Decoded(values) = d.delta {
+                if self.spare.len() < MAX_SPARE_BUFFERS {
+                    self.spare.push(values);
+                }
+            }
         }
     }
 

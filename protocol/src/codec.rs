@@ -167,6 +167,45 @@ pub fn decode(bytes: &[u8], codec: Codec, len: u64) -> Result<Vec<f32>, CodecErr
 
 /// [`decode`] with an explicit cap on `len`; nothing is allocated for a `len`
 /// above `max_elements`.
+/// [`decode`] into a reused buffer (cleared first): the plain f32/f16/bf16 layouts are
+/// written straight into `out`'s existing capacity, so a long-lived caller (an aggregator)
+/// does not allocate a fresh tensor per message. Same checks and errors as [`decode`].
+pub fn decode_into(
+    bytes: &[u8],
+    codec: Codec,
+    len: u64,
+    out: &mut Vec<f32>,
+) -> Result<(), CodecError> {
+    match codec {
+        Codec::RawF32 | Codec::F16 | Codec::Bf16 if len <= DEFAULT_MAX_DECODED_ELEMENTS => {
+            check_encoded_len(bytes, codec, len)?;
+            out.clear();
+            match codec {
+                Codec::RawF32 => out.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                ),
+                Codec::F16 => out.extend(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()),
+                ),
+                _ => out.extend(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+                ),
+            }
+            Ok(())
+        }
+        _ => {
+            *out = decode(bytes, codec, len)?;
+            Ok(())
+        }
+    }
+}
+
 pub fn decode_with_limit(
     bytes: &[u8],
     codec: Codec,

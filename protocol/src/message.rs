@@ -204,6 +204,12 @@ impl LayerPayload {
         codec::decode(&self.payload, self.codec, len)
     }
 
+    /// [`Self::decode_values`] into a reused buffer (see [`codec::decode_into`]).
+    pub fn decode_values_into(&self, out: &mut Vec<f32>) -> Result<(), CodecError> {
+        let len = shape_element_count(&self.shape)?;
+        codec::decode_into(&self.payload, self.codec, len, out)
+    }
+
     /// The header fields, without the tensor.
     pub fn meta(&self) -> LayerMeta {
         LayerMeta {
