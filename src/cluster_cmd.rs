@@ -202,7 +202,8 @@ pub struct EdgeRelay {
 }
 
 /// `[[chaos]]`: `kill -9` a process at `at_s` seconds after the trainers started, restart it
-/// `down_s` seconds later.
+/// `down_s` seconds later (or never, with `restart = false`: an aggregator that is gone for
+/// good, whose layers the coordinator moves once its lease expires).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChaosEvent {
@@ -213,6 +214,13 @@ pub struct ChaosEvent {
     /// Restart after this many seconds.
     #[serde(default = "default_down")]
     pub down_s: f64,
+    /// Restart it at all.
+    #[serde(default = "default_restart")]
+    pub restart: bool,
+}
+
+fn default_restart() -> bool {
+    true
 }
 
 fn default_down() -> f64 {
@@ -421,6 +429,7 @@ fn random_kills(args: &ClusterArgs) -> Vec<ChaosEvent> {
             kill: name.clone(),
             at_s,
             down_s: 1.0,
+            restart: true,
         }));
     }
     events
@@ -685,10 +694,15 @@ async fn run_cluster(
                         let _ = child.kill().await; // SIGKILL
                         let _ = child.wait().await;
                         p.kills += 1;
-                        restarts.push((
-                            Instant::now() + Duration::from_secs_f64(event.down_s),
-                            p.name.clone(),
-                        ));
+                        if event.restart {
+                            restarts.push((
+                                Instant::now() + Duration::from_secs_f64(event.down_s),
+                                p.name.clone(),
+                            ));
+                        } else {
+                            p.child = None;
+                            exits.insert(p.name.clone(), "killed (signal 9), not restarted".into());
+                        }
                     }
                 }
             }
@@ -754,6 +768,9 @@ async fn run_cluster(
         p.terminate();
     }
     for p in aggregators.iter_mut() {
+        if p.child.is_none() {
+            continue; // killed for good by [[chaos]]; its exit is recorded
+        }
         let status = p.wait(Duration::from_secs(20)).await;
         exits.insert(p.name.clone(), status);
     }
@@ -767,11 +784,13 @@ async fn run_cluster(
         r.shutdown().await;
     }
 
-    // The global model = the aggregators' persisted layers.
+    // The global model = the aggregators' persisted layers; where two shards hold a layer (it
+    // moved when an aggregator was lost), the newer version wins.
     let mut eval_model = task.build_model(model.seed);
     let layout = sync_layout(&eval_model);
     let mut ledger = Vec::new();
     let mut nodes = Vec::new();
+    let mut layer_versions: HashMap<u32, u64> = HashMap::new();
     for p in &aggregators {
         let dir = out.join(&p.name).join("data");
         if let Some((snapshot, entries)) = shard_file::read(&dir.join("shard.bin"))? {
@@ -781,7 +800,11 @@ async fn run_cluster(
                 if let (Some(view), Some(def)) =
                     (state.layer(id), layout.iter().find(|d| d.layer_id == id))
                 {
-                    eval_model.set_layer_values(def.model_index, view.values);
+                    let newest = layer_versions.get(&id).is_none_or(|&v| view.version > v);
+                    if newest {
+                        layer_versions.insert(id, view.version);
+                        eval_model.set_layer_values(def.model_index, view.values);
+                    }
                 }
             }
             ledger.extend(entries);

@@ -184,6 +184,92 @@ fn kill_9_of_an_edge_and_an_aggregator_loses_nothing_and_applies_each_delta_once
     assert!(log.contains("resumed from"), "{log}");
 }
 
+/// An aggregator lost for good: the coordinator's lease on it expires, its layers move to the
+/// other aggregator (which adopts the newest checkpoint the coordinator holds), the nodes
+/// follow the new map, and training goes on to a good model with nothing left undelivered.
+#[test]
+fn a_lost_aggregator_s_layers_move_to_the_survivor_and_training_goes_on() {
+    let dir = scratch("cluster-rebalance");
+    let steps = if engine::data::locate::shared_mnist_dir().is_some() {
+        800
+    } else {
+        4000
+    };
+    let text = format!(
+        r#"
+[cluster]
+name = "rebalance"
+lease_ms = 1500
+timeout_s = 600
+
+[model]
+model = "mlp"
+dataset = "auto"
+
+[training]
+steps = {steps}
+eval_every = 0
+
+[sync]
+deadline_ms = 300
+drain_timeout_s = 60
+
+[aggregation]
+outer_lr = 0.3
+
+[[aggregators]]
+name = "agg-1"
+
+[[aggregators]]
+name = "agg-2"
+
+[[workers]]
+name = "node-1"
+workers = 2
+
+[[edges]]
+name = "edge-1"
+
+[[chaos]]
+kill = "agg-2"
+at_s = 1.0
+restart = false
+"#
+    );
+    let file = dir.join("rebalance.toml");
+    std::fs::write(&file, text).unwrap();
+    let summary = run_cluster(&file, &dir.join("out"), &[]);
+    assert_eq!(node(&summary, "agg-2")["kills"], 1, "{summary}");
+    // The survivor owns every layer at the end, and the map moved.
+    let status: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("out/status.json")).unwrap())
+            .unwrap();
+    let members = status["members"].as_array().unwrap();
+    assert!(
+        !members.iter().any(|m| m["name"] == "agg-2"),
+        "agg-2 is no longer a member: {status}"
+    );
+    let agg1 = members.iter().find(|m| m["name"] == "agg-1").unwrap();
+    assert_eq!(
+        agg1["owned_layers"].as_array().unwrap().len(),
+        4,
+        "{status}"
+    );
+    let log = std::fs::read_to_string(dir.join("out/agg-1/log.txt")).unwrap();
+    assert!(
+        log.contains("owns [flatten") || log.matches("[MAP]").count() >= 2,
+        "{log}"
+    );
+    for name in ["node-1", "edge-1"] {
+        assert_eq!(node(&summary, name)["undelivered"], 0, "{summary}");
+    }
+    assert_eq!(summary["ledger_duplicates"], 0, "{summary}");
+    assert!(
+        summary["final_accuracy"].as_f64().unwrap() > 0.8,
+        "{summary}"
+    );
+}
+
 fn free_port() -> SocketAddr {
     std::net::UdpSocket::bind("127.0.0.1:0")
         .unwrap()

@@ -404,7 +404,13 @@ async fn coordinator_link(
                         let link = link.clone();
                         let id = config.node.id;
                         tokio::spawn(async move {
-                            let mut tick = tokio::time::interval(Duration::from_millis(500));
+                            // First beat after the join had time to land (separate streams may
+                            // complete out of order).
+                            let period = Duration::from_millis(500);
+                            let mut tick = tokio::time::interval_at(
+                                tokio::time::Instant::now() + period,
+                                period,
+                            );
                             loop {
                                 tick.tick().await;
                                 let hb = Message::Heartbeat(Heartbeat {
