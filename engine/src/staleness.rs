@@ -153,6 +153,21 @@ impl DeltaSlice for Vec<f32> {
     }
 }
 
+/// Index of the first NaN or infinity in `values`. Checks whole blocks without early exit
+/// (which vectorizes), then locates the value inside the first bad block.
+pub fn first_non_finite(values: &[f32]) -> Option<usize> {
+    const BLOCK: usize = 1024;
+    for (b, block) in values.chunks(BLOCK).enumerate() {
+        if !block.iter().fold(true, |ok, v| ok & v.is_finite()) {
+            return block
+                .iter()
+                .position(|v| !v.is_finite())
+                .map(|i| b * BLOCK + i);
+        }
+    }
+    None
+}
+
 /// Little-endian IEEE f32 values as raw bytes (length a multiple of 4).
 #[derive(Clone, Copy, Debug)]
 pub struct LeF32Bytes<'a>(pub &'a [u8]);
@@ -171,7 +186,7 @@ impl LeF32Bytes<'_> {
     /// Index of the first NaN or infinity, if any.
     pub fn first_non_finite(&self) -> Option<usize> {
         match self.as_f32() {
-            Some(values) => values.iter().position(|v| !v.is_finite()),
+            Some(values) => first_non_finite(values),
             None => self
                 .0
                 .chunks_exact(4)
@@ -568,6 +583,21 @@ mod le_bytes_tests {
     use proptest::prelude::*;
 
     proptest! {
+        #[test]
+        fn first_non_finite_finds_the_first_bad_value(
+            len in 1usize..5000,
+            bad in prop::collection::vec((any::<prop::sample::Index>(), 0u8..3), 0..4),
+        ) {
+            let mut values = vec![1.5f32; len];
+            for (i, kind) in &bad {
+                values[i.index(len)] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][*kind as usize];
+            }
+            let expected = values.iter().position(|v| !v.is_finite());
+            prop_assert_eq!(first_non_finite(&values), expected);
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            prop_assert_eq!(LeF32Bytes(&bytes).first_non_finite(), expected);
+        }
+
         #[test]
         fn aggregating_wire_bytes_in_place_equals_aggregating_decoded_values(
             base in prop::collection::vec(-10.0f32..10.0, 1..64),

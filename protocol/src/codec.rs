@@ -84,7 +84,12 @@ pub fn encode(values: &[f32], codec: Codec) -> Result<Encoded, CodecError> {
     let plain = match codec.base() {
         Codec::RawF32 => Encoded {
             codec: Codec::RawF32,
-            bytes: pack(values, 4, |v, out| out.extend_from_slice(&v.to_le_bytes())),
+            // On a little-endian target the layout is the values' own bytes: one memcpy.
+            bytes: if cfg!(target_endian = "little") {
+                bytemuck::cast_slice::<f32, u8>(values).to_vec()
+            } else {
+                pack(values, 4, |v, out| out.extend_from_slice(&v.to_le_bytes()))
+            },
         },
         Codec::F16 => Encoded {
             codec: Codec::F16,
