@@ -404,14 +404,28 @@ impl OpenFailure {
     }
 }
 
-/// Opens a sled database, turning a panic inside sled into an error.
+/// How long [`open_sled`] waits for a lock held by a database that is still shutting down
+/// (sled releases its file lock only when its background flusher exits, shortly after the
+/// last handle is dropped).
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Opens a sled database, turning a panic inside sled into an error. A lock that is still
+/// held is retried for up to [`LOCK_WAIT`] before it is reported.
 fn open_sled(dir: &Path) -> Result<sled::Db, OpenFailure> {
-    let config = sled::Config::new().path(dir);
-    match panic::catch_unwind(AssertUnwindSafe(|| config.open())) {
-        Ok(Ok(db)) => Ok(db),
-        Ok(Err(e)) if is_lock_error(&e) => Err(OpenFailure::Locked(e)),
-        Ok(Err(e)) => Err(OpenFailure::Failed(e)),
-        Err(payload) => Err(OpenFailure::Panicked(panic_message(payload.as_ref()))),
+    let started = std::time::Instant::now();
+    loop {
+        let config = sled::Config::new().path(dir);
+        match panic::catch_unwind(AssertUnwindSafe(|| config.open())) {
+            Ok(Ok(db)) => return Ok(db),
+            Ok(Err(e)) if is_lock_error(&e) => {
+                if started.elapsed() >= LOCK_WAIT {
+                    return Err(OpenFailure::Locked(e));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(25));
+            }
+            Ok(Err(e)) => return Err(OpenFailure::Failed(e)),
+            Err(payload) => return Err(OpenFailure::Panicked(panic_message(payload.as_ref()))),
+        }
     }
 }
 
@@ -695,7 +709,11 @@ mod tests {
 
     /// Writes through sled directly, as a crash mid-write or bit rot would leave things.
     fn raw_insert(dir: &Path, key: &[u8], value: &[u8]) {
-        let db = sled::Config::new().path(dir).open().unwrap();
+        // The cache just dropped may still hold its lock for a moment (see `open_sled`).
+        let db = match open_sled(dir) {
+            Ok(db) => db,
+            Err(_) => panic!("cannot open {} for a raw write", dir.display()),
+        };
         db.insert(key, value).unwrap();
         db.flush().unwrap();
     }
