@@ -19,7 +19,7 @@ use cpu_aggregator::server::AggregatorRunConfig;
 use cpu_aggregator::{AggregatorConfig, AggregatorState};
 use edge_agent::runtime::config::{NodeSection, SyncSection, TrainingSection};
 use edge_agent::runtime::NodeRunConfig;
-use gpu_worker::cluster_model::ModelSection;
+use gpu_worker::cluster_model::{read_toml, ModelSection};
 use gpu_worker::layout::sync_layout;
 use relay::{spawn_relay, RelayConfig, RelayHandle, RelayLinkSpec};
 use serde::{Deserialize, Serialize};
@@ -390,10 +390,7 @@ async fn aggregators_joined(status: SocketAddr) -> usize {
 
 /// `dreamddp cluster FILE`.
 pub fn run(args: ClusterArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&args.file)
-        .with_context(|| format!("reading {}", args.file.display()))?;
-    let mut file: ClusterFile =
-        toml::from_str(&text).with_context(|| format!("{}", args.file.display()))?;
+    let mut file: ClusterFile = read_toml(&args.file)?;
     if let Some(steps) = args.steps {
         file.training.steps = steps;
     }

@@ -5,9 +5,9 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use coordinator::{CoordinatorConfig, CoordinatorRunConfig, LayerInfo};
-use gpu_worker::cluster_model::ModelSection;
+use gpu_worker::cluster_model::{read_toml, ModelSection};
 use gpu_worker::layout::sync_layout;
 use serde::{Deserialize, Serialize};
 use transport::TransportConfig;
@@ -54,10 +54,7 @@ fn default_lease() -> u64 {
 
 /// Runs the coordinator until SIGTERM / Ctrl-C.
 pub fn run(args: ProcessArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&args.config)
-        .with_context(|| format!("reading {}", args.config.display()))?;
-    let file: CoordinatorFile =
-        toml::from_str(&text).with_context(|| format!("{}", args.config.display()))?;
+    let file: CoordinatorFile = read_toml(&args.config)?;
     let task = file.model.load_task().map_err(anyhow::Error::msg)?;
     let model = task.build_model(file.model.seed);
     let layers = sync_layout(&model)

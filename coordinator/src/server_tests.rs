@@ -1,6 +1,6 @@
-//! End-to-end test of the coordinator shell over real QUIC on 127.0.0.1: a fake aggregator
-//! and a fake worker join, the coordinator subscribes to the aggregator and caches its
-//! layer version, a bad join and a garbage frame are refused without disturbing anyone,
+//! End-to-end test of the coordinator shell over real QUIC on 127.0.0.1: two test peers
+//! speaking the real protocol, one as an aggregator and one as a worker, join; the
+//! coordinator subscribes to the aggregator and caches its layer version, a bad join and a garbage frame are refused without disturbing anyone,
 //! `/status`, `/metrics` and `/healthz` answer, and a lost lease rebalances.
 
 use std::net::SocketAddr;

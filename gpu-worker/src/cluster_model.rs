@@ -3,8 +3,9 @@
 //! initial weights. Every process builds the same initial model from it, so the aggregators'
 //! version 0 equals every node's starting point without shipping weights.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::task::{load_data, resolve_dataset, ModelKind, Task};
@@ -60,4 +61,61 @@ impl ModelSection {
             seed: self.seed,
         })
     }
+}
+
+/// A process config file that could not be read or parsed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigFileError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// TOML syntax or an unknown/missing key (the message names it and its line).
+    #[error("{path}: {message}")]
+    Parse {
+        /// File.
+        path: PathBuf,
+        /// What toml said.
+        message: String,
+    },
+}
+
+/// Parses TOML config text (`path` only names the source in errors).
+pub fn parse_toml<T: DeserializeOwned>(text: &str, path: &Path) -> Result<T, ConfigFileError> {
+    toml::from_str(text).map_err(|e| ConfigFileError::Parse {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// Reads and parses a TOML config file; every process config goes through here.
+pub fn read_toml<T: DeserializeOwned>(path: &Path) -> Result<T, ConfigFileError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigFileError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse_toml(&text, path)
+}
+
+/// Writes `bytes` to `path` durably and atomically: a temp file beside it, fsync, rename,
+/// fsync of the directory. After a crash the file holds either the old or the new bytes.
+/// Used for every small durable state file of the cluster processes.
+pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
 }

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use engine::staleness::StalenessFn;
-use gpu_worker::cluster_model::ModelSection;
+use gpu_worker::cluster_model::{read_toml, ConfigFileError, ModelSection};
 use protocol::Codec;
 use serde::{Deserialize, Serialize};
 
@@ -106,22 +106,9 @@ pub struct AggregatorRunConfig {
 /// A configuration that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum AggregatorConfigError {
-    /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// File.
-        path: PathBuf,
-        /// Cause.
-        source: std::io::Error,
-    },
-    /// TOML syntax or an unknown/missing key.
-    #[error("{path}: {message}")]
-    Parse {
-        /// File.
-        path: PathBuf,
-        /// What toml said.
-        message: String,
-    },
+    /// The file could not be read or parsed (names the file, key and line).
+    #[error(transparent)]
+    File(#[from] ConfigFileError),
     /// A value out of range.
     #[error("aggregation: {0}")]
     Invalid(String),
@@ -130,15 +117,7 @@ pub enum AggregatorConfigError {
 impl AggregatorRunConfig {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Self, AggregatorConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| AggregatorConfigError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let config: AggregatorRunConfig =
-            toml::from_str(&text).map_err(|e| AggregatorConfigError::Parse {
-                path: path.to_path_buf(),
-                message: e.to_string(),
-            })?;
+        let config: AggregatorRunConfig = read_toml(path)?;
         config.state_config()?;
         Ok(config)
     }

@@ -8,7 +8,6 @@
 //! n_ledger × (node u64 · layer u32 · seq u64) · crc32c u32 over everything before it
 //! ```
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 const MAGIC: &[u8; 8] = b"DDPSHRD1";
@@ -100,24 +99,13 @@ pub fn decode(bytes: &[u8]) -> Result<(&[u8], Vec<AppliedEntry>), &'static str> 
     Ok((snapshot, ledger))
 }
 
-/// Writes `bytes` to `path` durably and atomically.
+/// Writes `bytes` to `path` durably and atomically
+/// ([`gpu_worker::cluster_model::write_file_atomic`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ShardFileError> {
-    let io = |source| ShardFileError::Io {
+    gpu_worker::cluster_model::write_file_atomic(path, bytes).map_err(|source| ShardFileError::Io {
         path: path.to_path_buf(),
         source,
-    };
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(io)?;
-    f.write_all(bytes).map_err(io)?;
-    f.sync_all().map_err(io)?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(io)?;
-    if let Some(dir) = path.parent() {
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-    }
-    Ok(())
+    })
 }
 
 /// Reads a shard file; `Ok(None)` if there is none.

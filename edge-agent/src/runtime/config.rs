@@ -10,6 +10,7 @@ use protocol::Codec;
 use serde::{Deserialize, Serialize};
 
 pub use gpu_worker::cluster_model::ModelSection;
+use gpu_worker::cluster_model::{parse_toml, read_toml, ConfigFileError};
 
 /// Identity and addresses of one process.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -170,22 +171,9 @@ pub struct NodeRunConfig {
 /// A configuration that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeConfigError {
-    /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// File.
-        path: PathBuf,
-        /// Cause.
-        source: std::io::Error,
-    },
-    /// TOML syntax or an unknown/missing key (the message names it).
-    #[error("{path}: {message}")]
-    Parse {
-        /// File.
-        path: PathBuf,
-        /// What toml said (names the key and line).
-        message: String,
-    },
+    /// The file could not be read or parsed (names the file, key and line).
+    #[error(transparent)]
+    File(#[from] ConfigFileError),
     /// A value out of range.
     #[error("{key} = {value}: {why}")]
     Invalid {
@@ -214,19 +202,14 @@ pub fn parse_codec(name: &str) -> Option<Codec> {
 impl NodeRunConfig {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Self, NodeConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| NodeConfigError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::parse(&text, path)
+        let config: NodeRunConfig = read_toml(path)?;
+        config.validate()?;
+        Ok(config)
     }
 
     /// Parses and validates config text (`path` is only used in messages).
     pub fn parse(text: &str, path: &Path) -> Result<Self, NodeConfigError> {
-        let config: NodeRunConfig = toml::from_str(text).map_err(|e| NodeConfigError::Parse {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let config: NodeRunConfig = parse_toml(text, path)?;
         config.validate()?;
         Ok(config)
     }

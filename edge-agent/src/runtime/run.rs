@@ -4,7 +4,6 @@
 //! the backlog, leave, and write `stats.json`. Used by `dreamddp edge` (1 worker) and
 //! `dreamddp worker` (N workers with the intra-node collective).
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -101,14 +100,7 @@ pub fn next_incarnation(dir: &Path) -> Result<u64, NodeRunError> {
         Err(e) => return Err(io(e)),
     };
     let next = previous + 1;
-    let tmp = dir.join("incarnation.tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(io)?;
-    f.write_all(next.to_string().as_bytes()).map_err(io)?;
-    f.sync_all().map_err(io)?;
-    std::fs::rename(&tmp, &path).map_err(io)?;
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
+    gpu_worker::cluster_model::write_file_atomic(&path, next.to_string().as_bytes()).map_err(io)?;
     Ok(next)
 }
 
