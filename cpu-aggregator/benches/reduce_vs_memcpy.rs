@@ -1,6 +1,6 @@
-//! Benchmark: an aggregator folding in one round of deltas from 8 senders (decode + staleness
-//! weights + weighted average + version bump, through the real `AggregatorState`) versus a
-//! plain `memcpy` of the same bytes, measured in the same run. Prints both bandwidths and the
+//! Benchmark: an aggregator folding in one round of deltas from 8 senders (validation,
+//! staleness weights, weighted average, version bump and the broadcast payload, through the
+//! real `AggregatorState`) versus a plain `memcpy` of the same bytes, measured in the same run. Prints both bandwidths and the
 //! ratio (target ≥ 0.8x of memcpy). Run: `cargo bench -p cpu-aggregator`.
 
 use std::hint::black_box;
@@ -11,7 +11,7 @@ use protocol::{payload_from_f32, Codec, LayerMeta, Message};
 
 const SENDERS: u64 = 8;
 const LEN: usize = 1 << 20; // 4 MiB of f32 per delta
-const ROUNDS: usize = 12;
+const ROUNDS: usize = 24;
 
 fn main() {
     let layer = OwnedLayer {

@@ -26,12 +26,21 @@
 //! Applying a round: `θ ← θ + η · Σ wᵢΔᵢ / Σ wᵢ` (`wᵢ = nᵢ·s(τᵢ)`), version + 1, then
 //! outputs in this order: [`AggEvent::Applied`], one `DeltaAck { applied: true }` per
 //! contributor, one [`Output::Broadcast`] of the new [`LayerVersion`].
+//!
+//! ## Streaming
+//!
+//! Each delta is read once ([`engine::fused_reduce`]): on arrival it is checked for
+//! finiteness while being added into the layer's accumulator; the delta that closes a round
+//! is folded in by the apply pass itself, which writes the new version into a second buffer
+//! and the broadcast payload at once. The model only changes when the whole pass was finite,
+//! so a NaN delta or an overflowing average never reaches it. `cargo bench -p
+//! cpu-aggregator` compares a round against `memcpy` of the same bytes.
 
 use std::collections::{HashMap, VecDeque};
 
-use engine::staleness::{aggregate, DeltaContribution, DeltaSlice, LeF32Bytes};
+use engine::fused_reduce::{accumulate_checked, apply_checked, FusedReduceError, RoundSum};
 use protocol::{
-    codec, shape_element_count, Codec, CodecError, DeltaAck, ErrorReply, LayerPayload,
+    codec, shape_element_count, Codec, CodecError, DeltaAck, Encoded, ErrorReply, LayerPayload,
     LayerVersion, Message, Resync, ResyncReason,
 };
 
@@ -159,35 +168,58 @@ pub struct LayerView<'a> {
     pub pending: usize,
 }
 
-/// A delta accepted into a layer's open round.
+/// A delta accepted into a layer's open round. Its values were already folded into the
+/// layer's accumulator; they are kept only to rebuild the accumulator if a later delta of
+/// the round turns out non-finite mid-pass (and are recycled when the round closes).
 #[derive(Clone, Debug)]
 struct PendingDelta {
     from: NodeId,
     seq: u64,
-    samples: u64,
     tau: u64,
+    /// `wᵢ = nᵢ · s(τᵢ)`.
+    weight: f64,
     delta: PendingValues,
 }
 
 /// A pending delta's values: a raw-f32 payload is kept as the wire bytes and read in place
-/// when the round is applied (no decoded copy); other codecs are decoded on arrival.
+/// (no decoded copy); other codecs are decoded on arrival.
 #[derive(Clone, Debug)]
 enum PendingValues {
     RawLe(Vec<u8>),
     Decoded(Vec<f32>),
 }
 
-impl DeltaSlice for PendingValues {
-    fn len(&self) -> usize {
-        match self {
-            PendingValues::RawLe(b) => LeF32Bytes(b).len(),
-            PendingValues::Decoded(v) => v.len(),
-        }
+/// The weight a round's sums are taken relative to: its first delta's, or 1 if that is 0.
+fn reference_weight(first: f64) -> f64 {
+    if first > 0.0 {
+        first
+    } else {
+        1.0
     }
-    fn add_scaled_to(&self, current: &mut [f32], scale: f32) {
+}
+
+/// `w / w_ref` as the accumulator's f32 factor.
+fn relative_weight(weight: f64, first: f64) -> f32 {
+    (weight / reference_weight(first)) as f32
+}
+
+/// Little-endian f32 wire bytes viewed as native f32s without a copy, when that view is
+/// exact: a little-endian target and a 4-byte-aligned buffer (what the allocator gives).
+fn le_f32_view(bytes: &[u8]) -> Option<&[f32]> {
+    if cfg!(target_endian = "little") {
+        bytemuck::try_cast_slice::<u8, f32>(bytes).ok()
+    } else {
+        None
+    }
+}
+
+impl PendingValues {
+    /// The values as f32s. A `RawLe` buffer is only ever built when this view exists
+    /// (little-endian target, 4-byte-aligned buffer); otherwise the payload is decoded.
+    fn values(&self) -> &[f32] {
         match self {
-            PendingValues::RawLe(b) => LeF32Bytes(b).add_scaled_to(current, scale),
-            PendingValues::Decoded(v) => v.as_slice().add_scaled_to(current, scale),
+            PendingValues::RawLe(b) => le_f32_view(b).unwrap_or(&[]),
+            PendingValues::Decoded(v) => v,
         }
     }
 }
@@ -199,8 +231,39 @@ struct LayerState {
     shape: Vec<u32>,
     values: Vec<f32>,
     version: u64,
+    /// Deltas of the open round, in arrival order.
     pending: Vec<PendingDelta>,
+    /// `Σ (wᵢ/w_ref)·Δᵢ` over `pending` (meaningful only while `pending` is non-empty).
+    /// Weights are taken relative to the round's first delta so that a large sample count
+    /// cannot overflow the sum of finite deltas.
+    acc: Vec<f32>,
+    /// `Σ wᵢ` over `pending`.
+    acc_weight: f64,
+    /// The buffer the next version is written into before it replaces `values` (so a
+    /// failed pass never leaves a half-updated model).
+    next_values: Vec<f32>,
     round_started_at: Option<u64>,
+}
+
+impl LayerState {
+    /// Forgets the open round (its deltas stay unacknowledged).
+    fn clear_round(&mut self) -> Vec<PendingDelta> {
+        self.round_started_at = None;
+        self.acc_weight = 0.0;
+        std::mem::take(&mut self.pending)
+    }
+
+    /// Recomputes the accumulator from `pending`, in arrival order (bit-identical to the
+    /// sums made on arrival).
+    fn rebuild_accumulator(&mut self) {
+        self.acc_weight = 0.0;
+        for (i, d) in self.pending.iter().enumerate() {
+            // Every pending delta passed this very check on arrival.
+            let rel = relative_weight(d.weight, self.pending[0].weight);
+            let _ = accumulate_checked(&mut self.acc, d.delta.values(), rel, i == 0);
+            self.acc_weight += d.weight;
+        }
+    }
 }
 
 /// The aggregator of one shard of layers. See the [module docs](self) for the semantics.
@@ -216,10 +279,15 @@ pub struct AggregatorState {
     /// Delta buffers of applied rounds, reused for the next deltas (no fresh multi-MB
     /// allocation, and its page faults, per message).
     spare: Vec<Vec<f32>>,
+    /// Raw payload buffers of applied rounds, reused for the next broadcast payload (memory
+    /// the allocator would otherwise hand back to the OS and fault in again per round).
+    spare_payloads: Vec<Vec<u8>>,
 }
 
 /// Spare delta buffers kept for reuse.
 const MAX_SPARE_BUFFERS: usize = 32;
+/// Spare payload buffers kept for reuse as broadcast payloads (about one per round).
+const MAX_SPARE_PAYLOADS: usize = 4;
 
 impl AggregatorState {
     /// An aggregator `id` owning `layers` (each at version 0 with the given values).
@@ -238,6 +306,7 @@ impl AggregatorState {
             outputs: VecDeque::new(),
             counters: AggregatorCounters::default(),
             spare: Vec::new(),
+            spare_payloads: Vec::new(),
         };
         for layer in layers {
             state.add_layer(layer, 0)?;
@@ -278,6 +347,9 @@ impl AggregatorState {
             values: layer.values,
             version,
             pending: Vec::new(),
+            acc: Vec::new(),
+            acc_weight: 0.0,
+            next_values: Vec::new(),
             round_started_at: None,
         });
         Ok(())
@@ -343,7 +415,7 @@ impl AggregatorState {
                 .round_started_at
                 .is_some_and(|t| t.saturating_add(self.config.round_timeout_ns) <= now);
             if due {
-                self.apply_round(li);
+                self.close_round(li, None);
             }
         }
     }
@@ -449,46 +521,97 @@ impl AggregatorState {
             return self.drop_stale(li, from, p.seq, reason);
         }
 
-        let delta = if p.codec == Codec::RawF32 {
-            // Validated in place; the payload bytes themselves are kept.
-            if let Err(source) = shape_element_count(&p.shape)
-                .and_then(|len| codec::check_encoded_len(&p.payload, p.codec, len))
-            {
-                return self.reject(from, InputError::Decode { layer_id, source });
-            }
-            if let Some(index) = LeF32Bytes(&p.payload).first_non_finite() {
-                return self.reject(from, InputError::NonFinite { layer_id, index });
-            }
-            PendingValues::RawLe(p.payload)
-        } else {
-            let mut values = self.spare.pop().unwrap_or_default();
-            if let Err(source) = p.decode_values_into(&mut values) {
-                self.spare.push(values);
-                return self.reject(from, InputError::Decode { layer_id, source });
-            }
-            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
-                self.spare.push(values);
-                return self.reject(from, InputError::NonFinite { layer_id, index });
-            }
-            PendingValues::Decoded(values)
+        let tau = version - p.base_version;
+        let weight = self.config.staleness.weight(p.sample_count, tau);
+        let values = match self.pending_values(p.payload, p.codec, &p.shape) {
+            Ok(values) => values,
+            Err(source) => return self.reject(from, InputError::Decode { layer_id, source }),
         };
-        let layer = &mut self.layers[li];
-        layer.pending.push(PendingDelta {
+        let delta = PendingDelta {
             from,
             seq: p.seq,
-            samples: p.sample_count,
-            tau: version - p.base_version,
-            delta,
-        });
-        layer.round_started_at.get_or_insert(now);
+            tau,
+            weight,
+            delta: values,
+        };
+        let layer = &self.layers[li];
+        let new_sender = !layer.pending.iter().any(|d| d.from == from);
         let distinct_senders = layer
             .pending
             .iter()
             .enumerate()
             .filter(|(i, d)| !layer.pending[..*i].iter().any(|e| e.from == d.from))
-            .count();
+            .count()
+            + usize::from(new_sender);
         if distinct_senders >= self.config.round_size {
-            self.apply_round(li);
+            // This delta closes the round: fold it in during the apply pass itself.
+            return self.close_round(li, Some(delta));
+        }
+        let layer = &mut self.layers[li];
+        let first = layer.pending.is_empty();
+        layer.acc.resize(layer.values.len(), 0.0);
+        let reference = layer.pending.first().map_or(weight, |d| d.weight);
+        let rel = relative_weight(weight, reference);
+        match accumulate_checked(&mut layer.acc, delta.delta.values(), rel, first) {
+            Ok(()) => {
+                layer.acc_weight += weight;
+                layer.pending.push(delta);
+                layer.round_started_at.get_or_insert(now);
+            }
+            Err(e) => {
+                if !first {
+                    layer.rebuild_accumulator();
+                }
+                self.recycle(delta.delta);
+                self.reject_fused(from, layer_id, e);
+            }
+        }
+    }
+
+    /// A delta's payload as values the fused kernels read: raw f32 wire bytes in place when
+    /// they can be viewed as f32s, otherwise decoded (into a recycled buffer).
+    fn pending_values(
+        &mut self,
+        payload: Vec<u8>,
+        codec: Codec,
+        shape: &[u32],
+    ) -> Result<PendingValues, CodecError> {
+        let len = shape_element_count(shape)?;
+        if codec == Codec::RawF32 {
+            codec::check_encoded_len(&payload, codec, len)?;
+            if le_f32_view(&payload).is_some() {
+                return Ok(PendingValues::RawLe(payload));
+            }
+        }
+        let mut values = self.spare.pop().unwrap_or_default();
+        match codec::decode_into(&payload, codec, len, &mut values) {
+            Ok(()) => Ok(PendingValues::Decoded(values)),
+            Err(e) => {
+                self.spare.push(values);
+                Err(e)
+            }
+        }
+    }
+
+    /// Keeps a delta's buffer for reuse: decoded values for the next decoded delta, raw
+    /// payload bytes for the next broadcast payload.
+    fn recycle(&mut self, values: PendingValues) {
+        match values {
+            PendingValues::Decoded(v) if self.spare.len() < MAX_SPARE_BUFFERS => self.spare.push(v),
+            PendingValues::RawLe(b) if self.spare_payloads.len() < MAX_SPARE_PAYLOADS => {
+                self.spare_payloads.push(b)
+            }
+            _ => {}
+        }
+    }
+
+    /// Answers a delta refused by a fused pass.
+    fn reject_fused(&mut self, from: NodeId, layer_id: u32, e: FusedReduceError) {
+        match e {
+            FusedReduceError::NonFiniteDelta { index } => {
+                self.reject(from, InputError::NonFinite { layer_id, index })
+            }
+            other => self.internal_error(layer_id, other.to_string()),
         }
     }
 
@@ -528,9 +651,22 @@ impl AggregatorState {
     /// The current [`LayerVersion`] message of layer index `li`, encoded with the
     /// broadcast codec. Counts its bytes as sent.
     fn layer_version_message(&mut self, li: usize) -> Result<Message, CodecError> {
+        self.layer_version_message_from(li, None)
+    }
+
+    /// [`Self::layer_version_message`] with the plain (uncompressed) encoding of the current
+    /// values already made, when the caller has it.
+    fn layer_version_message_from(
+        &mut self,
+        li: usize,
+        plain: Option<Encoded>,
+    ) -> Result<Message, CodecError> {
         let layer = &self.layers[li];
         let codec_choice = self.config.broadcast_codec;
-        let plain = codec::encode(&layer.values, codec_choice.base())?;
+        let plain = match plain {
+            Some(plain) => plain,
+            None => codec::encode(&layer.values, codec_choice.base())?,
+        };
         let encoded = if codec_choice.is_zstd() {
             codec::maybe_compress(plain)?
         } else {
@@ -606,8 +742,7 @@ impl AggregatorState {
             }
             current.values = layer.values;
             current.version = version;
-            current.pending.clear();
-            current.round_started_at = None;
+            current.clear_round();
             return Ok(true);
         }
         self.add_layer(layer, version)?;
@@ -628,69 +763,91 @@ impl AggregatorState {
         true
     }
 
-    /// Applies the open round of layer index `li` (no-op when it is empty).
-    fn apply_round(&mut self, li: usize) {
-        let layer = &mut self.layers[li];
-        layer.round_started_at = None;
-        let pending = std::mem::take(&mut layer.pending);
-        if pending.is_empty() {
+    /// Closes the open round of layer index `li`, with `last` (the delta that completed it)
+    /// folded in during the same pass; a no-op when there is nothing to apply.
+    ///
+    /// One pass writes `θ' = θ + η/Σw · (acc + w_last·Δ_last)` into a second buffer and,
+    /// when the broadcast codec is raw f32, into the broadcast payload too; `θ'` replaces `θ`
+    /// only when every value is finite. A non-finite `last` is refused alone (the round stays
+    /// open); a non-finite result (overflow) drops the round unacknowledged.
+    fn close_round(&mut self, li: usize, last: Option<PendingDelta>) {
+        let broadcast_raw = self.config.broadcast_codec.base() == Codec::RawF32;
+        let eta = f64::from(self.config.outer_lr);
+        if self.layers[li].pending.is_empty() && last.is_none() {
+            self.layers[li].round_started_at = None;
             return;
         }
-        let layer_id = layer.layer_id;
-        let contributions: Vec<DeltaContribution<'_, PendingValues>> = pending
-            .iter()
-            .map(|d| DeltaContribution {
-                delta: &d.delta,
-                samples: d.samples,
-                tau: d.tau,
-            })
-            .collect();
-        let outcome = match aggregate(
-            &mut layer.values,
-            &contributions,
-            self.config.staleness,
-            self.config.outer_lr,
-            self.config.tau_max,
-        ) {
-            Ok(outcome) => outcome,
-            Err(e) => return self.internal_error(layer_id, e.to_string()),
+        let mut payload = if broadcast_raw {
+            self.spare_payloads.pop().unwrap_or_default()
+        } else {
+            Vec::new()
         };
-        drop(contributions);
-        // τ was checked on arrival and the version has not moved since, so nothing is
-        // dropped here; handle it anyway rather than assume.
-        for &i in &outcome.dropped_stale {
-            let d = &pending[i];
-            let staleness = d.tau;
-            self.drop_stale(
-                li,
-                d.from,
-                d.seq,
-                ResyncReason::TooStale {
-                    staleness,
-                    max_staleness: self.config.tau_max,
-                },
-            );
-        }
-        if outcome.applied == 0 {
-            return;
-        }
+        payload.clear();
         let layer = &mut self.layers[li];
+        let layer_id = layer.layer_id;
+        let total = layer.acc_weight + last.as_ref().map_or(0.0, |d| d.weight);
+        let reference = layer
+            .pending
+            .first()
+            .or(last.as_ref())
+            .map_or(1.0, |d| reference_weight(d.weight));
+        // θ' = θ + η·Σwᵢ Δᵢ / Σwᵢ = θ + (η·w_ref/Σwᵢ) · Σ (wᵢ/w_ref)·Δᵢ.
+        let scale = if total > 0.0 {
+            (eta * reference / total) as f32
+        } else {
+            0.0
+        };
+        let n = layer.values.len();
+        layer.next_values.resize(n, 0.0);
+        let sum = RoundSum {
+            acc: (!layer.pending.is_empty()).then_some(&layer.acc[..]),
+            last: last
+                .as_ref()
+                .map(|d| (d.delta.values(), (d.weight / reference) as f32)),
+        };
+        let payload_out = broadcast_raw.then_some(&mut payload);
+        let result = apply_checked(
+            &layer.values,
+            sum,
+            scale,
+            &mut layer.next_values,
+            payload_out,
+        );
+        match result {
+            Ok(()) => {}
+            Err(FusedReduceError::NonFiniteDelta { index }) if last.is_some() => {
+                self.recycle(PendingValues::RawLe(payload));
+                let Some(d) = last else { return };
+                let from = d.from;
+                self.recycle(d.delta);
+                return self.reject(from, InputError::NonFinite { layer_id, index });
+            }
+            Err(e) => {
+                let dropped = layer.clear_round();
+                let reason = format!(
+                    "round of {} deltas not applied: {e}; senders will retransmit",
+                    dropped.len() + usize::from(last.is_some())
+                );
+                self.recycle(PendingValues::RawLe(payload));
+                for d in dropped.into_iter().chain(last) {
+                    self.recycle(d.delta);
+                }
+                return self.internal_error(layer_id, reason);
+            }
+        }
+        std::mem::swap(&mut layer.values, &mut layer.next_values);
         layer.version += 1;
         let version = layer.version;
+        let applied: Vec<PendingDelta> = layer.clear_round().into_iter().chain(last).collect();
         self.counters.rounds_applied += 1;
-        self.counters.deltas_applied += outcome.applied as u64;
-        let applied = pending
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !outcome.dropped_stale.contains(i))
-            .map(|(_, d)| d);
+        self.counters.deltas_applied += applied.len() as u64;
         self.outputs.push_back(Output::Event(AggEvent::Applied {
             layer_id,
             version,
-            n_deltas: outcome.applied,
-            staleness: applied.clone().map(|d| d.tau).collect(),
+            n_deltas: applied.len(),
+            staleness: applied.iter().map(|d| d.tau).collect(),
         }));
-        for d in applied {
+        for d in &applied {
             let high = self
                 .highest_applied_seq
                 .entry((d.from, layer_id))
@@ -707,16 +864,16 @@ impl AggregatorState {
                 }),
             });
         }
-        match self.layer_version_message(li) {
+        let plain = broadcast_raw.then_some(Encoded {
+            codec: Codec::RawF32,
+            bytes: payload,
+        });
+        match self.layer_version_message_from(li, plain) {
             Ok(msg) => self.outputs.push_back(Output::Broadcast { msg }),
             Err(e) => self.internal_error(layer_id, e.to_string()),
         }
-        for d in pending {
-            if let PendingValues::Decoded(values) = d.delta {
-                if self.spare.len() < MAX_SPARE_BUFFERS {
-                    self.spare.push(values);
-                }
-            }
+        for d in applied {
+            self.recycle(d.delta);
         }
     }
 

@@ -486,3 +486,130 @@ fn adopt_layer_keeps_the_newer_version_and_release_forgets_the_layer() {
         .iter()
         .any(|o| matches!(o, Output::Event(AggEvent::BadInput { .. }))));
 }
+
+/// A round of `round_size` senders on layer 0 (4 values, all 1.0), with `outer_lr = 1`.
+fn round_of(n: usize) -> AggregatorState {
+    agg(AggregatorConfig {
+        round_size: n,
+        ..AggregatorConfig::default()
+    })
+}
+
+#[test]
+fn a_non_finite_delta_mid_round_is_refused_and_the_round_is_as_if_it_never_came() {
+    // Reference: two good deltas close a round of 2.
+    let mut reference = round_of(2);
+    reference.handle_message(0, 1, delta(1, 0, 1, 0, 10, &[1.0, 2.0, 3.0, 4.0]));
+    reference.handle_message(0, 2, delta(2, 0, 1, 0, 30, &[-1.0, 0.5, 0.25, 8.0]));
+    // Same, with a third sender's NaN delta between them in a round of 3, then a timeout.
+    let mut a = round_of(3);
+    a.handle_message(0, 1, delta(1, 0, 1, 0, 10, &[1.0, 2.0, 3.0, 4.0]));
+    a.handle_message(0, 3, delta(3, 0, 1, 0, 50, &[0.5, f32::NAN, 0.0, 0.0]));
+    let outs = drain(&mut a);
+    assert_eq!(error_reply(&outs), (3, ErrorCode::BadRequest));
+    assert!(outs.iter().any(|o| matches!(
+        o,
+        Output::Event(AggEvent::BadInput {
+            from: 3,
+            reason: InputError::NonFinite { index: 1, .. }
+        })
+    )));
+    a.handle_message(0, 2, delta(2, 0, 1, 0, 30, &[-1.0, 0.5, 0.25, 8.0]));
+    assert_eq!(a.layer(0).unwrap().version, 0, "round of 3 still open");
+    a.handle_timeout(2_000_000_000);
+    let outs = drain(&mut a);
+    assert_eq!(a.layer(0).unwrap().version, 1);
+    let bits = |s: &AggregatorState| -> Vec<u32> {
+        s.layer(0)
+            .unwrap()
+            .values
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    assert_eq!(
+        bits(&a),
+        bits(&reference),
+        "bit-identical to the round without the NaN"
+    );
+    let acked: Vec<u64> = acks(&outs).iter().map(|(to, _)| *to).collect();
+    assert_eq!(acked, [1, 2]);
+}
+
+#[test]
+fn a_non_finite_closing_delta_is_refused_alone_and_the_round_stays_open() {
+    let mut a = round_of(2);
+    a.handle_message(0, 1, delta(1, 0, 1, 0, 10, &[1.0, 1.0, 1.0, 1.0]));
+    a.handle_message(0, 2, delta(2, 0, 1, 0, 10, &[0.0, 0.0, 0.0, f32::INFINITY]));
+    let outs = drain(&mut a);
+    assert_eq!(error_reply(&outs), (2, ErrorCode::BadRequest));
+    assert!(acks(&outs).is_empty());
+    assert_eq!(a.layer(0).unwrap().values, [1.0; 4], "model untouched");
+    assert_eq!(a.layer(0).unwrap().version, 0);
+    assert_eq!(a.layer(0).unwrap().pending, 1);
+    // The sender's next (good) delta closes the round: mean of (1, 3) added to 1.
+    a.handle_message(0, 2, delta(2, 0, 2, 0, 10, &[3.0, 3.0, 3.0, 3.0]));
+    assert_eq!(a.layer(0).unwrap().values, [3.0; 4]);
+    assert_eq!(a.layer(0).unwrap().version, 1);
+}
+
+#[test]
+fn an_overflowing_round_is_not_applied_and_nothing_is_acknowledged() {
+    let mut a = AggregatorState::new(
+        AGG,
+        vec![layer(0, vec![f32::MAX; 4])],
+        AggregatorConfig::default(),
+    )
+    .unwrap();
+    a.handle_message(0, 1, delta(1, 0, 1, 0, 10, &[f32::MAX; 4]));
+    let outs = drain(&mut a);
+    assert!(acks(&outs).is_empty());
+    assert!(outs.iter().any(|o| matches!(
+        o,
+        Output::Event(AggEvent::InternalError { layer_id: 0, .. })
+    )));
+    assert_eq!(a.layer(0).unwrap().values, [f32::MAX; 4]);
+    assert_eq!(a.layer(0).unwrap().version, 0);
+    // The aggregator keeps serving: a sane delta is applied.
+    a.handle_message(0, 1, delta(1, 0, 2, 0, 10, &[-f32::MAX; 4]));
+    assert_eq!(a.layer(0).unwrap().values, [0.0; 4]);
+}
+
+#[test]
+fn the_broadcast_payload_is_the_new_version_bit_for_bit_in_every_codec_path() {
+    for (codec, lossy) in [
+        (Codec::RawF32, false),
+        (Codec::ZstdRawF32, false),
+        (Codec::F16, true),
+    ] {
+        let mut a = agg(AggregatorConfig {
+            round_size: 2,
+            broadcast_codec: codec,
+            ..AggregatorConfig::default()
+        });
+        a.handle_message(0, 1, delta(1, 0, 1, 0, 3, &[0.1, 0.2, 0.3, 0.4]));
+        a.handle_message(0, 2, delta(2, 0, 1, 0, 5, &[0.5, -0.25, 1e-3, 7.0]));
+        let outs = drain(&mut a);
+        let version = outs
+            .iter()
+            .find_map(|o| match o {
+                Output::Broadcast {
+                    msg: Message::LayerVersion(v),
+                } => Some(v.clone()),
+                _ => None,
+            })
+            .expect("a broadcast");
+        let got = version.decode_values().unwrap();
+        let want = a.layer(0).unwrap().values;
+        if lossy {
+            for (g, w) in got.iter().zip(want) {
+                assert!(
+                    (g - w).abs() <= 1e-2 * w.abs().max(1.0),
+                    "{codec:?}: {g} vs {w}"
+                );
+            }
+        } else {
+            assert_eq!(got, want, "{codec:?}");
+        }
+    }
+}

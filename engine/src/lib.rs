@@ -6,11 +6,13 @@
 //!   the moment that layer's gradient is ready, and the built-in models (`mlp`, `cnn`, `gpt-tiny`).
 //! * [`loss`], [`optim`], [`lr`], [`data`]: losses, per-layer optimizers, LR schedules, data sets.
 //! * [`plan`], [`bucket`], [`schedule`], [`staleness`]: sync plans (strategies, buckets), the
-//!   DreamDDP schedule, and staleness-weighted averaging.
+//!   DreamDDP schedule, and staleness-weighted averaging ([`fused_reduce`]: its single-pass
+//!   streaming kernels for aggregators).
 
 pub mod backend;
 pub mod bucket;
 pub mod data;
+pub mod fused_reduce;
 pub mod layer;
 pub mod layers;
 pub mod loss;

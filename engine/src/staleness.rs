@@ -111,111 +111,11 @@ pub fn lr_damping(base: f32, stale: u64) -> f32 {
     base.powi(stale.min(i32::MAX as u64) as i32)
 }
 
-/// A delta's values as [`aggregate`] reads them: decoded f32s, or the wire's little-endian
-/// f32 bytes read in place (an aggregator then never materializes a decoded copy).
-pub trait DeltaSlice {
-    /// Number of values.
-    fn len(&self) -> usize;
-    /// Whether there are no values.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// `current[j] += scale · delta[j]` for every `j` (lengths are checked equal first).
-    fn add_scaled_to(&self, current: &mut [f32], scale: f32);
-}
-
-impl DeltaSlice for [f32] {
-    fn len(&self) -> usize {
-        <[f32]>::len(self)
-    }
-    fn add_scaled_to(&self, current: &mut [f32], scale: f32) {
-        for (c, &x) in current.iter_mut().zip(self) {
-            *c += scale * x;
-        }
-    }
-}
-
-impl<const N: usize> DeltaSlice for [f32; N] {
-    fn len(&self) -> usize {
-        N
-    }
-    fn add_scaled_to(&self, current: &mut [f32], scale: f32) {
-        self.as_slice().add_scaled_to(current, scale);
-    }
-}
-
-impl DeltaSlice for Vec<f32> {
-    fn len(&self) -> usize {
-        Vec::len(self)
-    }
-    fn add_scaled_to(&self, current: &mut [f32], scale: f32) {
-        self.as_slice().add_scaled_to(current, scale);
-    }
-}
-
-/// Index of the first NaN or infinity in `values`. Checks whole blocks without early exit
-/// (which vectorizes), then locates the value inside the first bad block.
-pub fn first_non_finite(values: &[f32]) -> Option<usize> {
-    const BLOCK: usize = 1024;
-    for (b, block) in values.chunks(BLOCK).enumerate() {
-        if !block.iter().fold(true, |ok, v| ok & v.is_finite()) {
-            return block
-                .iter()
-                .position(|v| !v.is_finite())
-                .map(|i| b * BLOCK + i);
-        }
-    }
-    None
-}
-
-/// Little-endian IEEE f32 values as raw bytes (length a multiple of 4).
-#[derive(Clone, Copy, Debug)]
-pub struct LeF32Bytes<'a>(pub &'a [u8]);
-
-impl LeF32Bytes<'_> {
-    /// The bytes viewed as native f32s without a copy, when that view is exact: a
-    /// little-endian target and a 4-byte-aligned buffer (what the allocator gives a payload).
-    pub fn as_f32(&self) -> Option<&[f32]> {
-        if cfg!(target_endian = "little") {
-            bytemuck::try_cast_slice::<u8, f32>(self.0).ok()
-        } else {
-            None
-        }
-    }
-
-    /// Index of the first NaN or infinity, if any.
-    pub fn first_non_finite(&self) -> Option<usize> {
-        match self.as_f32() {
-            Some(values) => first_non_finite(values),
-            None => self
-                .0
-                .chunks_exact(4)
-                .position(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()),
-        }
-    }
-}
-
-impl DeltaSlice for LeF32Bytes<'_> {
-    fn len(&self) -> usize {
-        self.0.len() / 4
-    }
-    fn add_scaled_to(&self, current: &mut [f32], scale: f32) {
-        match self.as_f32() {
-            Some(values) => values.add_scaled_to(current, scale),
-            None => {
-                for (c, b) in current.iter_mut().zip(self.0.chunks_exact(4)) {
-                    *c += scale * f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-            }
-        }
-    }
-}
-
 /// One node's delta of a layer, as seen by the aggregator.
 #[derive(Clone, Copy, Debug)]
-pub struct DeltaContribution<'a, D: ?Sized + DeltaSlice = [f32]> {
+pub struct DeltaContribution<'a> {
     /// `θ − anchor` of the layer at the node.
-    pub delta: &'a D,
+    pub delta: &'a [f32],
     /// Training samples behind the delta.
     pub samples: u64,
     /// Versions between the delta's base and the current version.
@@ -236,9 +136,9 @@ pub struct AggregateOutcome {
 ///
 /// Nothing is changed when no delta is accepted or the accepted weights sum to zero (all
 /// `samples = 0`). Lengths and `f` are checked before `current` is touched.
-pub fn aggregate<D: ?Sized + DeltaSlice>(
+pub fn aggregate(
     current: &mut [f32],
-    deltas: &[DeltaContribution<'_, D>],
+    deltas: &[DeltaContribution<'_>],
     f: StalenessFn,
     outer_lr: f32,
     tau_max: u64,
@@ -269,7 +169,9 @@ pub fn aggregate<D: ?Sized + DeltaSlice>(
             if scale == 0.0 {
                 continue;
             }
-            d.delta.add_scaled_to(current, scale);
+            for (c, &x) in current.iter_mut().zip(d.delta) {
+                *c += scale * x;
+            }
         }
     }
     Ok(AggregateOutcome {
@@ -573,65 +475,6 @@ mod tests {
                 let s: f32 = cached.iter().map(|(d, _)| d[k]).sum();
                 prop_assert!(close(sum[k], s));
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod le_bytes_tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    proptest! {
-        #[test]
-        fn first_non_finite_finds_the_first_bad_value(
-            len in 1usize..5000,
-            bad in prop::collection::vec((any::<prop::sample::Index>(), 0u8..3), 0..4),
-        ) {
-            let mut values = vec![1.5f32; len];
-            for (i, kind) in &bad {
-                values[i.index(len)] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][*kind as usize];
-            }
-            let expected = values.iter().position(|v| !v.is_finite());
-            prop_assert_eq!(first_non_finite(&values), expected);
-            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            prop_assert_eq!(LeF32Bytes(&bytes).first_non_finite(), expected);
-        }
-
-        #[test]
-        fn aggregating_wire_bytes_in_place_equals_aggregating_decoded_values(
-            base in prop::collection::vec(-10.0f32..10.0, 1..64),
-            seeds in prop::collection::vec((any::<u32>(), 1u64..100, 0u64..6), 1..5),
-        ) {
-            let n = base.len();
-            let deltas: Vec<Vec<f32>> = seeds
-                .iter()
-                .map(|(s, _, _)| (0..n).map(|j| ((s.wrapping_mul(j as u32 + 7) % 2001) as f32 - 1000.0) * 1e-3).collect())
-                .collect();
-            let bytes: Vec<Vec<u8>> = deltas
-                .iter()
-                .map(|d| d.iter().flat_map(|x| x.to_le_bytes()).collect())
-                .collect();
-            let decoded: Vec<DeltaContribution<'_>> = deltas
-                .iter()
-                .zip(&seeds)
-                .map(|(d, (_, samples, tau))| DeltaContribution { delta: d.as_slice(), samples: *samples, tau: *tau })
-                .collect();
-            let wire: Vec<LeF32Bytes<'_>> = bytes.iter().map(|b| LeF32Bytes(b)).collect();
-            let in_place: Vec<DeltaContribution<'_, LeF32Bytes<'_>>> = wire
-                .iter()
-                .zip(&seeds)
-                .map(|(w, (_, samples, tau))| DeltaContribution { delta: w, samples: *samples, tau: *tau })
-                .collect();
-            let f = StalenessFn::default();
-            let mut a = base.clone();
-            let mut b = base.clone();
-            let ra = aggregate(&mut a, &decoded, f, 0.7, 4).unwrap();
-            let rb = aggregate(&mut b, &in_place, f, 0.7, 4).unwrap();
-            prop_assert_eq!(ra, rb);
-            let a_bits: Vec<u32> = a.iter().map(|x| x.to_bits()).collect();
-            let b_bits: Vec<u32> = b.iter().map(|x| x.to_bits()).collect();
-            prop_assert_eq!(a_bits, b_bits);
         }
     }
 }
