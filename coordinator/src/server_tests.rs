@@ -169,6 +169,7 @@ async fn members_join_subscribe_report_and_expire_over_quic() {
         shape: vec![4],
         codec: encoded.codec,
         payload: encoded.bytes,
+        applied_seqs: Vec::new(),
     };
     sub_link
         .send(&Message::LayerVersion(version))

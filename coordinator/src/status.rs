@@ -434,6 +434,7 @@ mod tests {
                 shape: vec![3],
                 codec: encoded.codec,
                 payload: encoded.bytes,
+                applied_seqs: Vec::new(),
             }),
         );
         s.handle_message(

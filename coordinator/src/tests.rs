@@ -59,6 +59,7 @@ fn version(aggregator_id: u64, layer_id: u32, version: u64, fill: f32) -> LayerV
         shape: vec![2, 2],
         codec: encoded.codec,
         payload: encoded.bytes,
+        applied_seqs: Vec::new(),
     }
 }
 
@@ -722,6 +723,7 @@ fn message() -> impl Strategy<Value = Message> {
                     shape,
                     codec: Codec::RawF32,
                     payload,
+                    applied_seqs: Vec::new(),
                 })
             }),
         (node.clone(), 0u32..10, any::<u64>(), any::<f32>())

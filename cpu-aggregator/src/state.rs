@@ -40,8 +40,8 @@ use std::collections::{HashMap, VecDeque};
 
 use engine::fused_reduce::{accumulate_checked, apply_checked, FusedReduceError, RoundSum};
 use protocol::{
-    codec, shape_element_count, Codec, CodecError, DeltaAck, Encoded, ErrorReply, LayerPayload,
-    LayerVersion, Message, Resync, ResyncReason,
+    codec, shape_element_count, AppliedSeq, Codec, CodecError, DeltaAck, Encoded, ErrorReply,
+    LayerPayload, LayerVersion, Message, Resync, ResyncReason,
 };
 
 use crate::config::{AggregatorConfig, NodeId, OwnedLayer};
@@ -681,7 +681,20 @@ impl AggregatorState {
             shape: layer.shape.clone(),
             codec: encoded.codec,
             payload: encoded.bytes,
+            applied_seqs: self.applied_seqs(layer.layer_id),
         }))
+    }
+
+    /// The at-most-once ledger of one layer, sorted by node (what a [`LayerVersion`] carries).
+    fn applied_seqs(&self, layer_id: u32) -> Vec<AppliedSeq> {
+        let mut seqs: Vec<AppliedSeq> = self
+            .highest_applied_seq
+            .iter()
+            .filter(|((_, layer), _)| *layer == layer_id)
+            .map(|(&(node_id, _), &seq)| AppliedSeq { node_id, seq })
+            .collect();
+        seqs.sort_unstable_by_key(|a| a.node_id);
+        seqs
     }
 
     /// The current version of an owned layer as a [`LayerVersion`] message (e.g. for a node
@@ -716,11 +729,33 @@ impl AggregatorState {
     /// hands over the latest version it saw). If the layer is already owned, the newer of
     /// the two versions wins, so a layer's version never goes backwards. Returns whether the
     /// given values were adopted.
+    ///
+    /// `applied` is the version's ledger ([`LayerVersion::applied_seqs`]): when the values are
+    /// adopted, every `(node, seq)` in it counts as applied here too, so a delta that is
+    /// already in the adopted version is rejected as a duplicate if its sender retransmits
+    /// it. (It is not merged when the values are not adopted: the deltas of an older version
+    /// on another branch of history are not in this aggregator's values.)
     pub fn adopt_layer(
         &mut self,
         layer: OwnedLayer,
         version: u64,
+        applied: &[AppliedSeq],
     ) -> Result<bool, AggregatorError> {
+        let layer_id = layer.layer_id;
+        let adopted = self.adopt_values(layer, version)?;
+        if adopted {
+            for a in applied {
+                let high = self
+                    .highest_applied_seq
+                    .entry((a.node_id, layer_id))
+                    .or_insert(a.seq);
+                *high = (*high).max(a.seq);
+            }
+        }
+        Ok(adopted)
+    }
+
+    fn adopt_values(&mut self, layer: OwnedLayer, version: u64) -> Result<bool, AggregatorError> {
         if let Some(&li) = self.index.get(&layer.layer_id) {
             let current = &mut self.layers[li];
             if version <= current.version {

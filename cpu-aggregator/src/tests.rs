@@ -462,19 +462,19 @@ fn subscribe_answers_current_version_of_every_owned_layer() {
 fn adopt_layer_keeps_the_newer_version_and_release_forgets_the_layer() {
     let mut a = agg(AggregatorConfig::default());
     // A new layer is adopted at the coordinator's version.
-    assert!(a.adopt_layer(layer(2, vec![3.0; 3]), 5).unwrap());
+    assert!(a.adopt_layer(layer(2, vec![3.0; 3]), 5, &[]).unwrap());
     assert_eq!(a.layer(2).unwrap().version, 5);
     // An older or equal version never replaces the current one.
     a.handle_message(0, 7, delta(7, 2, 1, 5, 10, &[1.0; 3]));
     drain(&mut a);
     assert_eq!(a.layer(2).unwrap().version, 6);
-    assert!(!a.adopt_layer(layer(2, vec![0.0; 3]), 6).unwrap());
+    assert!(!a.adopt_layer(layer(2, vec![0.0; 3]), 6, &[]).unwrap());
     assert_eq!(a.layer(2).unwrap().values, &[4.0; 3]);
     // A newer one does.
-    assert!(a.adopt_layer(layer(2, vec![9.0; 3]), 8).unwrap());
+    assert!(a.adopt_layer(layer(2, vec![9.0; 3]), 8, &[]).unwrap());
     assert_eq!(a.layer(2).unwrap().values, &[9.0; 3]);
     // A wrong shape is refused with a typed error.
-    assert!(a.adopt_layer(layer(2, vec![9.0; 4]), 9).is_err());
+    assert!(a.adopt_layer(layer(2, vec![9.0; 4]), 9, &[]).is_err());
     // Released layers are no longer owned; the others keep working.
     assert!(a.release_layer(0));
     assert!(!a.release_layer(0));
@@ -612,4 +612,43 @@ fn the_broadcast_payload_is_the_new_version_bit_for_bit_in_every_codec_path() {
             assert_eq!(got, want, "{codec:?}");
         }
     }
+}
+
+#[test]
+fn a_handed_over_version_carries_its_ledger_so_a_retransmission_is_not_applied_twice() {
+    // Aggregator A applies node 7's delta seq 4 and broadcasts version 1; its ack is lost
+    // with A. The coordinator hands A's broadcast over to B.
+    let mut a = agg(AggregatorConfig::default());
+    a.handle_message(0, 7, delta(7, 0, 4, 0, 10, &[1.0; 4]));
+    let handed_over = drain(&mut a)
+        .into_iter()
+        .find_map(|o| match o {
+            Output::Broadcast {
+                msg: Message::LayerVersion(v),
+            } => Some(v),
+            _ => None,
+        })
+        .expect("a broadcast");
+    assert_eq!(
+        handed_over.applied_seqs,
+        [protocol::AppliedSeq { node_id: 7, seq: 4 }]
+    );
+    let mut b = AggregatorState::new(101, vec![], AggregatorConfig::default()).unwrap();
+    let owned = layer(0, handed_over.decode_values().unwrap());
+    assert!(b
+        .adopt_layer(owned, handed_over.version, &handed_over.applied_seqs)
+        .unwrap());
+    // Node 7 retransmits seq 4 to the new owner: a duplicate, acked as not applied.
+    b.handle_message(1, 7, delta(7, 0, 4, 0, 10, &[1.0; 4]));
+    let outs = drain(&mut b);
+    assert_eq!(b.layer(0).unwrap().values, [2.0; 4], "applied once");
+    assert_eq!(acks(&outs)[0].1.applied, false);
+    // Its next delta is applied normally.
+    b.handle_message(2, 7, delta(7, 0, 5, 1, 10, &[1.0; 4]));
+    assert_eq!(b.layer(0).unwrap().values, [3.0; 4]);
+    // A version that is not adopted (older than what B has) does not touch B's ledger.
+    let stale = layer(0, vec![0.0; 4]);
+    let ledger = [protocol::AppliedSeq { node_id: 8, seq: 9 }];
+    assert!(!b.adopt_layer(stale, 1, &ledger).unwrap());
+    assert_eq!(b.highest_applied_seq(8, 0), None);
 }

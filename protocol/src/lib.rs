@@ -47,7 +47,8 @@ pub use frame::{
     FrameHeader, DEFAULT_MAX_BODY_LEN, HEADER_LEN, MAGIC, PROTOCOL_VERSION,
 };
 pub use message::{
-    payload_from_encoded, payload_from_f32, shape_element_count, AggregatorAddr, Capabilities,
-    Codec, DeltaAck, ErrorCode, ErrorReply, Heartbeat, Join, JoinAck, LayerMap, LayerMeta,
-    LayerPayload, LayerVersion, Leave, Message, NodeStats, Resync, ResyncReason, Role, Subscribe,
+    payload_from_encoded, payload_from_f32, shape_element_count, AggregatorAddr, AppliedSeq,
+    Capabilities, Codec, DeltaAck, ErrorCode, ErrorReply, Heartbeat, Join, JoinAck, LayerMap,
+    LayerMeta, LayerPayload, LayerVersion, Leave, Message, NodeStats, Resync, ResyncReason, Role,
+    Subscribe,
 };

@@ -385,6 +385,20 @@ pub struct LayerVersion {
     pub codec: Codec,
     /// The layer's full parameters at `version`, encoded.
     pub payload: Vec<u8>,
+    /// For every node whose deltas are in this version: the highest seq of this layer
+    /// applied. An aggregator that adopts the version (a hand-over after a rebalance) seeds
+    /// its at-most-once ledger from it, so a delta already in the version and retransmitted
+    /// to the new owner (its ack was lost with the old owner) is not applied twice.
+    pub applied_seqs: Vec<AppliedSeq>,
+}
+
+/// One `(node, highest applied seq)` entry of a [`LayerVersion`]'s ledger.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppliedSeq {
+    /// The sending node.
+    pub node_id: u64,
+    /// Its highest seq of the layer applied in the version.
+    pub seq: u64,
 }
 
 impl LayerVersion {

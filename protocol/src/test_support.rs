@@ -4,9 +4,9 @@
 use proptest::prelude::*;
 
 use crate::message::{
-    AggregatorAddr, Capabilities, Codec, DeltaAck, ErrorCode, ErrorReply, Heartbeat, Join, JoinAck,
-    LayerMap, LayerPayload, LayerVersion, Leave, Message, NodeStats, Resync, ResyncReason, Role,
-    Subscribe,
+    AggregatorAddr, AppliedSeq, Capabilities, Codec, DeltaAck, ErrorCode, ErrorReply, Heartbeat,
+    Join, JoinAck, LayerMap, LayerPayload, LayerVersion, Leave, Message, NodeStats, Resync,
+    ResyncReason, Role, Subscribe,
 };
 
 /// Any codec.
@@ -218,10 +218,18 @@ pub fn arb_message() -> impl Strategy<Value = Message> {
         arb_layer_payload().prop_map(Message::LayerDelta),
         (
             (any::<u64>(), any::<u32>(), arb_text(), any::<u64>()),
-            (arb_shape(), arb_codec(), arb_bytes()),
+            (
+                arb_shape(),
+                arb_codec(),
+                arb_bytes(),
+                proptest::collection::vec((any::<u64>(), any::<u64>()), 0..4),
+            ),
         )
             .prop_map(
-                |((aggregator_id, layer_id, layer_name, version), (shape, codec, payload))| {
+                |(
+                    (aggregator_id, layer_id, layer_name, version),
+                    (shape, codec, payload, seqs),
+                )| {
                     Message::LayerVersion(LayerVersion {
                         aggregator_id,
                         layer_id,
@@ -230,6 +238,10 @@ pub fn arb_message() -> impl Strategy<Value = Message> {
                         shape,
                         codec,
                         payload,
+                        applied_seqs: seqs
+                            .into_iter()
+                            .map(|(node_id, seq)| AppliedSeq { node_id, seq })
+                            .collect(),
                     })
                 }
             ),
@@ -368,6 +380,10 @@ pub fn sample_messages() -> Vec<Message> {
             shape: vec![10],
             codec: Codec::RawF32,
             payload: vec![0xab; 40],
+            applied_seqs: vec![AppliedSeq {
+                node_id: 5,
+                seq: 17,
+            }],
         }),
         Message::DeltaAck(DeltaAck {
             node_id: 42,

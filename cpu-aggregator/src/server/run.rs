@@ -517,7 +517,7 @@ impl Shell {
                             shape: v.shape.clone(),
                             values,
                         };
-                        match self.state.adopt_layer(layer, v.version) {
+                        match self.state.adopt_layer(layer, v.version, &v.applied_seqs) {
                             Ok(true) => info!(
                                 "[MAP] layer={} adopted at version {}",
                                 v.layer_name, v.version
@@ -568,7 +568,7 @@ impl Shell {
                     shape: vec![def.len as u32],
                     values: self.initial[&def.layer_id].clone(),
                 };
-                if let Err(e) = self.state.adopt_layer(layer, 0) {
+                if let Err(e) = self.state.adopt_layer(layer, 0, &[]) {
                     error!("[ERROR] cannot own layer {}: {e}", def.name);
                 }
             }
