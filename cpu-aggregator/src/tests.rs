@@ -642,7 +642,7 @@ fn a_handed_over_version_carries_its_ledger_so_a_retransmission_is_not_applied_t
     b.handle_message(1, 7, delta(7, 0, 4, 0, 10, &[1.0; 4]));
     let outs = drain(&mut b);
     assert_eq!(b.layer(0).unwrap().values, [2.0; 4], "applied once");
-    assert_eq!(acks(&outs)[0].1.applied, false);
+    assert!(!acks(&outs)[0].1.applied);
     // Its next delta is applied normally.
     b.handle_message(2, 7, delta(7, 0, 5, 1, 10, &[1.0; 4]));
     assert_eq!(b.layer(0).unwrap().values, [3.0; 4]);
