@@ -20,6 +20,8 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
+        // Colours only on a terminal: the cluster's children log into files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
     let result = match args.command {

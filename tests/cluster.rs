@@ -387,3 +387,193 @@ fn coordinator_refuses_foreign_certificates_and_survives_garbage_frames() {
     assert!(log.contains("refused"), "{log}");
     assert!(log.contains("edge-1"), "the log names the peer: {log}");
 }
+
+/// Waits up to `limit` for `path` to exist and contain `needle`; returns its text.
+fn wait_for_text(path: &Path, needle: &str, limit: Duration) -> String {
+    let started = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            if text.contains(needle) {
+                return text;
+            }
+        }
+        assert!(
+            started.elapsed() < limit,
+            "{} never contained {needle:?}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn an_authenticated_peer_sending_bad_frames_is_disconnected_and_training_goes_on() {
+    let _turn = ONE_CLUSTER_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let dir = scratch("cluster-hostile");
+    let steps = if engine::data::locate::shared_mnist_dir().is_some() {
+        600
+    } else {
+        3000
+    };
+    let file = dir.join("hostile.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[cluster]\nname = \"hostile\"\ntimeout_s = 600\n\n[model]\nmodel = \"mlp\"\ndataset = \"auto\"\n\n\
+             [training]\nsteps = {steps}\neval_every = 0\n\n[aggregation]\nouter_lr = 0.3\n\n\
+             [[aggregators]]\nname = \"agg-1\"\n\n[[workers]]\nname = \"node-1\"\nworkers = 2\n\n\
+             [[edges]]\nname = \"edge-1\"\n"
+        ),
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let cluster = Command::new(env!("CARGO_BIN_EXE_dreamddp"))
+        .args([
+            "cluster",
+            file.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut cluster = Killed(cluster);
+
+    // The aggregator's address, from the config the launcher wrote for it; a certificate from
+    // the cluster's own CA for a peer that is not a member.
+    let config = wait_for_text(
+        &out.join("agg-1/config.toml"),
+        "listen",
+        Duration::from_secs(60),
+    );
+    let listen: SocketAddr = config
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("listen = \""))
+        .and_then(|rest| rest.strip_suffix('"'))
+        .expect("listen key")
+        .parse()
+        .unwrap();
+    transport::create_cluster_certs(&out.join("certs"), &["intruder".to_string()]).unwrap();
+    let agg_log = out.join("agg-1/log.txt");
+    wait_for_text(&agg_log, "[JOIN]", Duration::from_secs(60));
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let cfg = transport::TransportConfig::default();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let identity = transport::TlsIdentity::in_dir(&out.join("certs"), "intruder");
+        let intruder = transport::QuicNode::bind(any, &identity, &cfg).unwrap();
+        let header = |body_len: u32| {
+            protocol::FrameHeader {
+                version: protocol::PROTOCOL_VERSION,
+                flags: 0,
+                body_len,
+                body_crc: 0,
+            }
+            .to_bytes()
+        };
+        let mut truncated = header(4096).to_vec();
+        truncated.extend_from_slice(&[7u8; 100]);
+        let oversized = header(u32::MAX).to_vec();
+        let attacks: [(&str, Vec<u8>); 3] = [
+            ("garbage", b"not a frame, just some bytes from a confused peer".to_vec()),
+            ("truncated", truncated),
+            ("oversized", oversized),
+        ];
+        for (what, bytes) in attacks {
+            let conn = tokio::time::timeout(
+                Duration::from_secs(10),
+                intruder.connect(listen, "agg-1"),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("{what}: connect timed out"))
+            .unwrap_or_else(|e| panic!("{what}: connect: {e}"));
+            conn.send_frame(&bytes).await.unwrap();
+            let closed = tokio::time::timeout(Duration::from_secs(10), conn.recv()).await;
+            assert!(matches!(closed, Ok(Err(_))), "{what}: {closed:?}");
+        }
+        // A well-formed delta with a NaN in it is answered with a typed error and never
+        // reaches the model; the connection stays up. (Subscribing first tells us a layer's
+        // shape and version.)
+        let conn = intruder.connect(listen, "agg-1").await.unwrap();
+        conn.send(&protocol::Message::Subscribe(protocol::Subscribe { node_id: 999 }))
+            .await
+            .unwrap();
+        let current = loop {
+            let msg = tokio::time::timeout(Duration::from_secs(10), conn.recv())
+                .await
+                .expect("the subscription is answered")
+                .unwrap();
+            if let protocol::Message::LayerVersion(v) = msg {
+                break v;
+            }
+        };
+        let meta = protocol::LayerMeta {
+            node_id: 999,
+            layer_id: current.layer_id,
+            layer_name: current.layer_name.clone(),
+            step: 0,
+            base_version: current.version,
+            version: current.version,
+            seq: 1,
+            sample_count: 32,
+        };
+        let mut values = current.decode_values().unwrap();
+        let last = values.len() - 1;
+        values[last] = f32::NAN;
+        let bad =
+            protocol::payload_from_f32(meta, &current.shape, &values, protocol::Codec::RawF32)
+                .unwrap();
+        conn.send(&protocol::Message::LayerDelta(bad)).await.unwrap();
+        let answer = loop {
+            let msg = tokio::time::timeout(Duration::from_secs(10), conn.recv())
+                .await
+                .expect("the delta is answered")
+                .unwrap();
+            if !matches!(msg, protocol::Message::LayerVersion(_)) {
+                break msg;
+            }
+        };
+        assert!(
+            matches!(answer, protocol::Message::Error(ref e) if e.code == protocol::ErrorCode::BadRequest && e.text.contains("not finite")),
+            "{answer:?}"
+        );
+    });
+
+    // Training finishes normally, with every process exiting cleanly.
+    let status = cluster.0.wait().unwrap();
+    let mut stderr = String::new();
+    if let Some(mut e) = cluster.0.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut stderr);
+    }
+    assert!(status.success(), "cluster failed: {stderr}");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    for name in ["node-1", "edge-1"] {
+        let exit = node(&summary, name)["exit"].as_str().unwrap_or_default();
+        assert!(exit.contains("exit status: 0"), "{name}: {summary}");
+    }
+    assert_eq!(node(&summary, "node-1")["undelivered"], 0, "{summary}");
+    assert!(
+        summary["final_accuracy"].as_f64().unwrap() > 0.85,
+        "{summary}"
+    );
+    let log = std::fs::read_to_string(&agg_log).unwrap();
+    let named: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("[ERROR]") && l.contains("peer=intruder"))
+        .collect();
+    assert!(
+        named.len() >= 3,
+        "one [ERROR] naming the peer per bad frame:\n{log}"
+    );
+}
