@@ -197,7 +197,8 @@ pub struct EdgeProcess {
 /// neither bandwidth in some direction (that direction runs at loopback speed: the default
 /// windows fit better than any product) or adds no delay.
 pub fn relay_link_figures(relay: &EdgeRelay, base_dir: &Path) -> Result<Option<(f64, f64)>> {
-    let rtt_ms = relay.up.latency_ms + relay.down.latency_ms + relay.up.jitter_ms + relay.down.jitter_ms;
+    let rtt_ms =
+        relay.up.latency_ms + relay.down.latency_ms + relay.up.jitter_ms + relay.down.jitter_ms;
     let (Some(up), Some(down)) = (
         direction_mbps(&relay.up, base_dir)?,
         direction_mbps(&relay.down, base_dir)?,

@@ -296,7 +296,11 @@ mod tests {
     #[test]
     fn initial_model_reads_no_data() {
         // MNIST named explicitly in a folder that does not exist: the model still builds.
-        let s = section("mlp", "mnist", Some(PathBuf::from("/nonexistent/dreamddp-data")));
+        let s = section(
+            "mlp",
+            "mnist",
+            Some(PathBuf::from("/nonexistent/dreamddp-data")),
+        );
         assert!(s.load_task().is_err());
         let model = s.initial_model().unwrap();
         let first = &sync_layout(&model)[0];

@@ -71,7 +71,9 @@ impl std::str::FromStr for Congestion {
             "bbr" => Ok(Congestion::Bbr),
             "cubic" => Ok(Congestion::Cubic),
             "newreno" | "new-reno" => Ok(Congestion::NewReno),
-            other => Err(format!("unknown congestion controller {other:?}; use bbr, cubic or newreno")),
+            other => Err(format!(
+                "unknown congestion controller {other:?}; use bbr, cubic or newreno"
+            )),
         }
     }
 }
@@ -197,12 +199,20 @@ impl TransportSection {
                 self.stream_receive_window,
                 &mut config.stream_receive_window,
             ),
-            ("receive_window", self.receive_window, &mut config.receive_window),
+            (
+                "receive_window",
+                self.receive_window,
+                &mut config.receive_window,
+            ),
             ("send_window", self.send_window, &mut config.send_window),
         ] {
             if let Some(v) = value {
                 if v == 0 || v > limit {
-                    return Err(err(key, v.to_string(), format!("must be in 1..={limit} bytes")));
+                    return Err(err(
+                        key,
+                        v.to_string(),
+                        format!("must be in 1..={limit} bytes"),
+                    ));
                 }
                 *slot = v;
             }

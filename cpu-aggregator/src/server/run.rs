@@ -598,7 +598,9 @@ impl Shell {
             .collect();
         missing.sort_unstable();
         if !missing.is_empty() && !self.initial.is_built() {
-            info!("[MAP] building the initial weights for layers {missing:?} (not in the shard file)");
+            info!(
+                "[MAP] building the initial weights for layers {missing:?} (not in the shard file)"
+            );
             let initial = &mut self.initial;
             if let Err(e) = tokio::task::block_in_place(|| initial.build()) {
                 error!("[ERROR] cannot build the initial weights: {e}");
@@ -710,10 +712,7 @@ impl Shell {
                         let b = (tau as usize).min(STALENESS_BUCKETS - 1);
                         self.staleness[b] += 1;
                     }
-                    let name = self
-                        .state
-                        .layer(*layer_id)
-                        .map_or("?", |l| l.name);
+                    let name = self.state.layer(*layer_id).map_or("?", |l| l.name);
                     debug!("[APPLY] layer={name} version={version} deltas={n_deltas} staleness={staleness:?}");
                 }
                 Output::Send {
@@ -909,7 +908,12 @@ credentials = "x"
         assert!(fresh.initial.is_built());
         let first = fresh.initial.layout().unwrap()[0].clone();
         assert_eq!(first.len, 784 * 512 + 512);
-        let values = fresh.initial.values(first.layer_id).unwrap().unwrap().to_vec();
+        let values = fresh
+            .initial
+            .values(first.layer_id)
+            .unwrap()
+            .unwrap()
+            .to_vec();
         fresh
             .state
             .adopt_layer(

@@ -409,22 +409,37 @@ steps = 10
             DeltaCodec::Dense(Codec::F16)
         );
         assert!(parse_delta_codec("topk:1").is_ok());
-        for bad in ["topk:0", "topk:2", "topk:abc", "topk:-0.5", "topk:", "topk:NaN"] {
+        for bad in [
+            "topk:0",
+            "topk:2",
+            "topk:abc",
+            "topk:-0.5",
+            "topk:",
+            "topk:NaN",
+        ] {
             let text = format!("{GOOD}\n[sync]\ncodec = \"{bad}\"\n");
             let e = NodeRunConfig::parse(&text, Path::new("x.toml")).unwrap_err();
             assert!(
-                matches!(&e, NodeConfigError::Invalid { key: "sync.codec", .. }),
+                matches!(
+                    &e,
+                    NodeConfigError::Invalid {
+                        key: "sync.codec",
+                        ..
+                    }
+                ),
                 "{bad}: {e}"
             );
-            assert!(e.to_string().starts_with(&format!("sync.codec = {bad}")), "{e}");
+            assert!(
+                e.to_string().starts_with(&format!("sync.codec = {bad}")),
+                "{e}"
+            );
         }
     }
 
     #[test]
     fn transport_keys_size_windows_and_bad_ones_name_the_key() {
-        let text = format!(
-            "{GOOD}\n[transport]\nlink_mbps = 100\nrtt_ms = 200\ncongestion = \"cubic\"\n"
-        );
+        let text =
+            format!("{GOOD}\n[transport]\nlink_mbps = 100\nrtt_ms = 200\ncongestion = \"cubic\"\n");
         let c = NodeRunConfig::parse(&text, Path::new("x.toml")).unwrap();
         let t = c.transport.to_config().unwrap();
         assert_eq!(t.stream_receive_window, 5_000_000);

@@ -229,6 +229,8 @@ mod tests {
             pump(&mut c, &mut applied, &mut now, k, 0, None);
         }
         assert_eq!(c.undelivered(), 0);
+        let counters = c.counters();
+        assert!(counters.weak_sync_events >= 3, "{counters:?}");
         let anchor = c.anchor(0).unwrap();
         let mut total = vec![0.0f64; len];
         for values in applied.values() {
@@ -248,6 +250,37 @@ mod tests {
         let residual = theta.iter().zip(anchor).filter(|(t, a)| t != a).count();
         assert!(residual > 0, "top-k must leave a residual");
         let reached = total.iter().filter(|t| **t != 0.0).count();
-        assert!(reached > k, "error feedback sends more than the first k elements over time");
+        assert!(
+            reached > k,
+            "error feedback sends more than the first k elements over time"
+        );
+    }
+
+    /// The wire choice: a sparsified delta as zstd-wrapped dense f32 is no larger than the
+    /// `Codec::TopK` layout (8 bytes per kept element) on incompressible values.
+    #[test]
+    fn zstd_dense_payload_is_smaller_than_the_top_k_layout() {
+        use protocol::codec::maybe_compress;
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        for &(len, fraction) in &[(100_000usize, 0.01f64), (8192, 0.05)] {
+            let theta: Vec<f32> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    ((x >> 11) as f64 / (1u64 << 53) as f64 - 0.5) as f32 * 0.02
+                })
+                .collect();
+            let s = TopKSparsifier::new(fraction);
+            let cut = s.sparsify(&theta, &vec![0.0; len]).unwrap();
+            let wire = maybe_compress(encode(&cut, Codec::RawF32).unwrap()).unwrap();
+            assert_eq!(wire.codec, Codec::ZstdRawF32);
+            assert!(
+                wire.bytes.len() < 8 * s.k(len),
+                "{} bytes for k = {}",
+                wire.bytes.len(),
+                s.k(len)
+            );
+        }
     }
 }
