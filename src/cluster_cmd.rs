@@ -24,6 +24,7 @@ use gpu_worker::layout::sync_layout;
 use relay::{spawn_relay, RelayConfig, RelayHandle, RelayLinkSpec};
 use serde::{Deserialize, Serialize};
 use tokio::process::{Child, Command};
+use transport::config::TransportSection;
 
 use crate::coordinator_cmd::{CoordinatorFile, CoordinatorNodeSection};
 
@@ -184,6 +185,63 @@ pub struct EdgeProcess {
     /// This edge's delta codec (default: `[sync] codec`).
     #[serde(default)]
     pub codec: Option<String>,
+    /// This edge's `[transport]` keys. Without `link_mbps`/`rtt_ms` here, an edge behind a
+    /// relay gets them from the relay's link spec ([`relay_link_figures`]).
+    #[serde(default)]
+    pub transport: Option<TransportSection>,
+}
+
+/// The link figures of an edge behind `relay`, for sizing its flow-control windows:
+/// `rtt_ms` = both directions' latency plus jitter; `link_mbps` = the faster direction's
+/// capacity (a constant `bandwidth`, or a trace's mean rate). `None` when the relay limits
+/// neither bandwidth in some direction (that direction runs at loopback speed: the default
+/// windows fit better than any product) or adds no delay.
+pub fn relay_link_figures(relay: &EdgeRelay, base_dir: &Path) -> Result<Option<(f64, f64)>> {
+    let rtt_ms =
+        relay.up.latency_ms + relay.down.latency_ms + relay.up.jitter_ms + relay.down.jitter_ms;
+    let (Some(up), Some(down)) = (
+        direction_mbps(&relay.up, base_dir)?,
+        direction_mbps(&relay.down, base_dir)?,
+    ) else {
+        return Ok(None);
+    };
+    Ok((rtt_ms > 0.0).then_some((up.max(down), rtt_ms)))
+}
+
+/// Capacity of one relay direction in Mbit/s (`None`: unlimited).
+fn direction_mbps(spec: &RelayLinkSpec, base_dir: &Path) -> Result<Option<f64>> {
+    if let Some(b) = spec.bandwidth {
+        return Ok(Some(b.bits_per_sec() as f64 / 1e6));
+    }
+    let mut spec = spec.clone();
+    spec.resolve_paths(base_dir);
+    let Some(trace) = spec.load_trace().context("relay trace")? else {
+        return Ok(None);
+    };
+    let period_s = trace.period().0 as f64 / 1e9;
+    if period_s <= 0.0 {
+        return Ok(None);
+    }
+    Ok(Some(trace.bytes_per_period() as f64 * 8.0 / period_s / 1e6))
+}
+
+/// An edge's `[transport]`: its explicit keys, with `link_mbps`/`rtt_ms` filled in from
+/// the relay in front of it (if any, and links are not clean) when not given.
+fn edge_transport(
+    edge: &EdgeProcess,
+    relay_in_use: bool,
+    base_dir: &Path,
+) -> Result<TransportSection> {
+    let mut section = edge.transport.clone().unwrap_or_default();
+    if let (Some(r), true) = (&edge.relay, relay_in_use) {
+        if section.link_mbps.is_none() && section.rtt_ms.is_none() {
+            if let Some((mbps, rtt)) = relay_link_figures(r, base_dir)? {
+                section.link_mbps = Some(mbps);
+                section.rtt_ms = Some(rtt);
+            }
+        }
+    }
+    Ok(section)
 }
 
 /// `[edges.relay]`: the link model of each direction (see `dreamddp relay`).
@@ -555,6 +613,7 @@ async fn run_cluster(
                 credentials: file.cluster.credentials.clone(),
             },
             aggregation: file.aggregation.clone(),
+            transport: TransportSection::default(),
         };
         write_toml(&dir.join("config.toml"), &cfg)?;
         let mut p = Proc {
@@ -586,9 +645,24 @@ async fn run_cluster(
     let mut relays: Vec<RelayHandle> = Vec::new();
     let mut rank = 0usize;
     let mut next_id = 100u64;
-    let mut specs: Vec<(String, &'static str, usize, Option<&EdgeRelay>, SyncSection)> = Vec::new();
+    type TrainerSpec<'a> = (
+        String,
+        &'static str,
+        usize,
+        Option<&'a EdgeRelay>,
+        SyncSection,
+        TransportSection,
+    );
+    let mut specs: Vec<TrainerSpec> = Vec::new();
     for w in &file.workers {
-        specs.push((w.name.clone(), "worker", w.workers, None, file.sync.clone()));
+        specs.push((
+            w.name.clone(),
+            "worker",
+            w.workers,
+            None,
+            file.sync.clone(),
+            TransportSection::default(),
+        ));
     }
     for e in &file.edges {
         let mut sync = file.sync.clone();
@@ -598,9 +672,11 @@ async fn run_cluster(
         if let Some(c) = &e.codec {
             sync.codec = c.clone();
         }
-        specs.push((e.name.clone(), "edge", 1, e.relay.as_ref(), sync));
+        let transport = edge_transport(e, !args.clean_links, base_dir)
+            .with_context(|| format!("edge {}: link figures of its relay", e.name))?;
+        specs.push((e.name.clone(), "edge", 1, e.relay.as_ref(), sync, transport));
     }
-    for (name, role, workers, relay, sync) in specs {
+    for (name, role, workers, relay, sync, transport) in specs {
         let dir = node_dir(&name)?;
         let mut overrides = HashMap::new();
         let relayed = relay.is_some() && !args.clean_links;
@@ -647,6 +723,7 @@ async fn run_cluster(
                 eval_limit: file.training.eval_limit,
             },
             sync,
+            transport,
         };
         cfg.validate().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
         write_toml(&dir.join("config.toml"), &cfg)?;
@@ -916,4 +993,82 @@ fn print_table(s: &ClusterSummary) {
         "deltas applied {} · duplicates rejected {} · weak-sync events {} · ledger duplicates {} · relay drops {}",
         s.deltas_applied, s.duplicates_rejected, s.weak_sync_events, s.ledger_duplicates, s.relay_dropped_datagrams
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn edge(text: &str) -> EdgeProcess {
+        toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn a_relayed_edge_gets_its_links_figures_and_explicit_keys_win() {
+        let dir = Path::new(".");
+        let limited = edge(
+            r#"
+name = "e"
+[relay]
+up = { latency_ms = 50, jitter_ms = 10, bandwidth = "10mbit" }
+down = { latency_ms = 50, bandwidth = "40mbit" }
+"#,
+        );
+        let t = edge_transport(&limited, true, dir).unwrap();
+        assert_eq!(t.link_mbps, Some(40.0));
+        assert_eq!(t.rtt_ms, Some(110.0));
+        // Clean links: no relay, no sizing.
+        assert_eq!(
+            edge_transport(&limited, false, dir).unwrap(),
+            TransportSection::default()
+        );
+        // An unlimited direction: defaults.
+        let unlimited = edge(
+            r#"
+name = "e"
+[relay]
+up = { latency_ms = 100, loss = 0.2 }
+down = { latency_ms = 100, loss = 0.2 }
+"#,
+        );
+        assert_eq!(
+            edge_transport(&unlimited, true, dir).unwrap(),
+            TransportSection::default()
+        );
+        // Explicit figures are kept as written.
+        let explicit = edge(
+            r#"
+name = "e"
+transport = { link_mbps = 5, rtt_ms = 30, congestion = "cubic" }
+[relay]
+up = { latency_ms = 50, bandwidth = "10mbit" }
+down = { latency_ms = 50, bandwidth = "10mbit" }
+"#,
+        );
+        let t = edge_transport(&explicit, true, dir).unwrap();
+        assert_eq!((t.link_mbps, t.rtt_ms), (Some(5.0), Some(30.0)));
+        assert_eq!(t.congestion.as_deref(), Some("cubic"));
+    }
+
+    #[test]
+    fn a_traced_relay_uses_the_traces_mean_rate() {
+        let dir = std::env::temp_dir().join(format!("ddp-cluster-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // mahimahi: one 1500-byte opportunity per line; 4 per 4 ms period = 12 Mbit/s.
+        std::fs::write(dir.join("t.up"), "1\n2\n3\n4\n").unwrap();
+        let traced = edge(
+            r#"
+name = "e"
+[relay]
+up = { latency_ms = 20, trace = { path = "t.up", format = "mahimahi" } }
+down = { latency_ms = 20, bandwidth = "2mbit" }
+"#,
+        );
+        let (mbps, rtt) = relay_link_figures(traced.relay.as_ref().unwrap(), &dir)
+            .unwrap()
+            .unwrap();
+        assert!((mbps - 12.0).abs() < 1e-9, "{mbps}");
+        assert_eq!(rtt, 40.0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -2,13 +2,115 @@
 //! workers, edge agents): which model and data set the cluster trains and the seed of its
 //! initial weights. Every process builds the same initial model from it, so the aggregators'
 //! version 0 equals every node's starting point without shipping weights.
+//!
+//! An aggregator needs only the initial weights, never the data: [`ModelSection::initial_model`]
+//! builds them from the model kind, the data set's *name* (which fixes the input and output
+//! dimensions, [`ModelShape`]) and the seed, without reading a byte of the data set.
 
 use std::path::{Path, PathBuf};
 
+use engine::model::Model;
+use engine::models::gpt::{gpt_tiny, GptConfig};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::task::{load_data, resolve_dataset, ModelKind, Task};
+
+/// Side of an MNIST image (28 × 28 pixels, one channel).
+pub const MNIST_SIDE: usize = 28;
+/// Characters in the tinyshakespeare vocabulary (nanoGPT's `shakespeare_char`: the sorted
+/// distinct characters of `input.txt`).
+pub const TINYSHAKESPEARE_VOCAB: usize = 65;
+
+/// The input and output dimensions of a model, fixed by the data set's name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelShape {
+    /// Images `[channels, height, width]` into `classes` logits.
+    Images {
+        /// `[channels, height, width]` of one sample.
+        sample_shape: [usize; 3],
+        /// Number of classes.
+        classes: usize,
+    },
+    /// A character model over a vocabulary of `vocab` symbols.
+    Chars {
+        /// Vocabulary size.
+        vocab: usize,
+    },
+}
+
+impl ModelShape {
+    /// The dimensions of the built-in data set `dataset` (`mnist`, `digits`,
+    /// `tinyshakespeare`); the same numbers the data loaders produce.
+    pub fn of_dataset(dataset: &str) -> Result<Self, String> {
+        match dataset {
+            "mnist" => Ok(ModelShape::Images {
+                sample_shape: [1, MNIST_SIDE, MNIST_SIDE],
+                classes: engine::data::mnist::CLASSES,
+            }),
+            "digits" => Ok(ModelShape::Images {
+                sample_shape: [
+                    1,
+                    engine::data::digits::IMAGE_SIDE,
+                    engine::data::digits::IMAGE_SIDE,
+                ],
+                classes: engine::data::digits::CLASSES,
+            }),
+            "tinyshakespeare" | "shakespeare" => Ok(ModelShape::Chars {
+                vocab: TINYSHAKESPEARE_VOCAB,
+            }),
+            other => Err(format!(
+                "unknown data set '{other}'; expected one of: mnist, digits, tinyshakespeare"
+            )),
+        }
+    }
+
+    /// Whether `kind` can be built with these dimensions; the error says why not.
+    pub fn check(&self, kind: &ModelKind) -> Result<(), String> {
+        match (kind, self) {
+            (ModelKind::Mlp | ModelKind::Cnn, ModelShape::Images { .. })
+            | (ModelKind::GptTiny, ModelShape::Chars { .. }) => Ok(()),
+            (kind, shape) => Err(format!(
+                "model '{}' does not fit data of shape {shape:?}: mlp and cnn take mnist or digits, gpt-tiny takes tinyshakespeare",
+                kind.name()
+            )),
+        }
+    }
+
+    /// Builds `kind` with these dimensions and `seed`: the same weights as
+    /// [`Task::build_model`] on the data set these dimensions came from.
+    pub fn build(&self, kind: &ModelKind, seed: u64) -> Result<Model, String> {
+        self.check(kind)?;
+        match (kind, *self) {
+            (
+                ModelKind::Mlp,
+                ModelShape::Images {
+                    sample_shape,
+                    classes,
+                },
+            ) => {
+                let dim: usize = sample_shape.iter().product();
+                let hidden: &[usize] = if dim >= 784 {
+                    engine::models::mlp::MLP_MNIST_HIDDEN
+                } else {
+                    engine::models::mlp::MLP_DIGITS_HIDDEN
+                };
+                Ok(engine::models::mlp::mlp(dim, hidden, classes, seed))
+            }
+            (
+                ModelKind::Cnn,
+                ModelShape::Images {
+                    sample_shape: [c, h, w],
+                    classes,
+                },
+            ) => Ok(engine::models::cnn::cnn(c, h, w, classes, seed)),
+            (ModelKind::GptTiny, ModelShape::Chars { vocab }) => {
+                Ok(gpt_tiny(&GptConfig::tiny(vocab), seed))
+            }
+            (kind, shape) => Err(format!("model '{}' with {shape:?}", kind.name())),
+        }
+    }
+}
 
 /// Which model and data the whole cluster trains (identical in every process's config).
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -43,6 +145,25 @@ impl ModelSection {
         let kind: ModelKind = resolved.model.parse()?;
         let data = load_data(&resolved.dataset, resolved.data_dir.as_deref())?;
         Task::new(kind, &resolved.dataset, data)
+    }
+
+    /// The cluster's initial model (the weights every process starts from), built from the
+    /// model kind, the data set's name and the seed **without reading the data set** (only
+    /// `auto` looks whether the MNIST folder exists). Aggregators use this; trainers, which
+    /// need the data anyway, use [`Task::build_model`], which gives the same weights.
+    pub fn initial_model(&self) -> Result<Model, String> {
+        let (kind, shape) = self.kind_and_shape()?;
+        shape.build(&kind, self.seed)
+    }
+
+    /// The model kind and its dimensions, checked to fit each other (cheap: builds nothing,
+    /// reads no data).
+    pub fn kind_and_shape(&self) -> Result<(ModelKind, ModelShape), String> {
+        let resolved = self.resolved()?;
+        let kind: ModelKind = resolved.model.parse()?;
+        let shape = ModelShape::of_dataset(&resolved.dataset)?;
+        shape.check(&kind)?;
+        Ok((kind, shape))
     }
 
     /// The same section with `auto` and the default data folder resolved (what a cluster
@@ -118,4 +239,83 @@ pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::sync_layout;
+
+    fn section(model: &str, dataset: &str, data_dir: Option<PathBuf>) -> ModelSection {
+        ModelSection {
+            model: model.into(),
+            dataset: dataset.into(),
+            data_dir,
+            seed: 7,
+        }
+    }
+
+    /// The data-free build must give exactly the model a trainer builds from the data.
+    fn assert_same_as_task(s: &ModelSection) {
+        let from_data = s.load_task().unwrap().build_model(s.seed);
+        let without = s.initial_model().unwrap();
+        let (a, b) = (sync_layout(&from_data), sync_layout(&without));
+        assert_eq!(a, b, "{} on {}", s.model, s.dataset);
+        for l in &a {
+            assert_eq!(
+                from_data.layer_values(l.model_index),
+                without.layer_values(l.model_index),
+                "layer {} of {} on {}",
+                l.name,
+                s.model,
+                s.dataset
+            );
+        }
+    }
+
+    #[test]
+    fn initial_model_without_data_equals_the_trainers_model_on_digits() {
+        assert_same_as_task(&section("mlp", "digits", None));
+        assert_same_as_task(&section("cnn", "digits", None));
+    }
+
+    #[test]
+    fn initial_model_without_data_equals_the_trainers_model_on_shared_data() {
+        // Skips cleanly where the shared data sets are absent.
+        let Some(dir) = engine::data::locate::shared_datasets_dir() else {
+            return;
+        };
+        if dir.join("mnist").is_dir() {
+            assert_same_as_task(&section("mlp", "mnist", Some(dir.clone())));
+        }
+        if dir.join("tinyshakespeare").is_dir() {
+            assert_same_as_task(&section("gpt-tiny", "tinyshakespeare", Some(dir)));
+        }
+    }
+
+    #[test]
+    fn initial_model_reads_no_data() {
+        // MNIST named explicitly in a folder that does not exist: the model still builds.
+        let s = section(
+            "mlp",
+            "mnist",
+            Some(PathBuf::from("/nonexistent/dreamddp-data")),
+        );
+        assert!(s.load_task().is_err());
+        let model = s.initial_model().unwrap();
+        let first = &sync_layout(&model)[0];
+        assert_eq!(first.len, 784 * 512 + 512, "{first:?}");
+    }
+
+    #[test]
+    fn mismatched_model_and_data_set_is_an_error() {
+        let Err(e) = section("gpt-tiny", "mnist", None).initial_model() else {
+            panic!("gpt-tiny on mnist must be refused");
+        };
+        assert!(e.contains("gpt-tiny"), "{e}");
+        let Err(e) = section("mlp", "cifar", None).initial_model() else {
+            panic!("an unknown data set must be refused");
+        };
+        assert!(e.contains("cifar"), "{e}");
+    }
 }

@@ -1,11 +1,27 @@
 //! [`TransportConfig`]: the knobs of a dreamddp QUIC connection (timeouts,
 //! flow-control windows, message size limit) and their translation into a
-//! `quinn::TransportConfig`.
+//! `quinn::TransportConfig`; [`TransportSection`]: the `[transport]` table of a process
+//! config, which sizes the windows for the link ([`LinkWindows::for_link`]).
+//!
+//! ## Window sizing (bandwidth-delay product)
+//!
+//! With `link_mbps` and `rtt_ms` given, `BDP = link_mbps · 10⁶ / 8 · rtt_ms / 10³` bytes and
+//!
+//! * `stream_receive_window = clamp(2 · BDP, 1 MiB, 256 MiB)` — one stream (one layer
+//!   message) can keep the link busy for two round trips, so a loss recovery does not stall it;
+//! * `receive_window = send_window = min(4 · stream_receive_window, 1 GiB)` — room for
+//!   several layer messages in flight at once.
+//!
+//! The floor keeps a slow link's windows large enough that a typical layer message is not
+//! throttled by flow control; the ceilings bound the memory a peer can make us buffer.
+//! Explicit `stream_receive_window` / `receive_window` / `send_window` keys override the
+//! computed values; without link figures the defaults (16/64/64 MiB) apply.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use quinn::{IdleTimeout, VarInt};
+use serde::{Deserialize, Serialize};
 
 use crate::error::TransportError;
 
@@ -44,6 +60,192 @@ pub enum Congestion {
     Bbr,
     /// CUBIC (quinn's default): loss-based, backs off on every loss.
     Cubic,
+    /// NewReno: the classic loss-based controller (halves its window on every loss).
+    NewReno,
+}
+
+impl std::str::FromStr for Congestion {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "bbr" => Ok(Congestion::Bbr),
+            "cubic" => Ok(Congestion::Cubic),
+            "newreno" | "new-reno" => Ok(Congestion::NewReno),
+            other => Err(format!(
+                "unknown congestion controller {other:?}; use bbr, cubic or newreno"
+            )),
+        }
+    }
+}
+
+/// Floor of a link-sized `stream_receive_window` (1 MiB).
+pub const MIN_STREAM_WINDOW: u64 = 1 << 20;
+/// Ceiling of a link-sized `stream_receive_window` (256 MiB).
+pub const MAX_STREAM_WINDOW: u64 = 256 << 20;
+/// Ceiling of a link-sized `receive_window` / `send_window` (1 GiB).
+pub const MAX_CONNECTION_WINDOW: u64 = 1 << 30;
+
+/// Flow-control windows sized for one link (see the module docs for the formula).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkWindows {
+    /// Bandwidth-delay product of the link, bytes.
+    pub bdp_bytes: u64,
+    /// Per-stream receive window.
+    pub stream_receive_window: u64,
+    /// Connection receive window.
+    pub receive_window: u64,
+    /// Send buffer across all streams.
+    pub send_window: u64,
+}
+
+impl LinkWindows {
+    /// Windows for a link of `link_mbps` megabits per second and `rtt_ms` milliseconds of
+    /// round trip (both finite and positive; callers validate).
+    pub fn for_link(link_mbps: f64, rtt_ms: f64) -> Self {
+        let bdp = link_mbps * 1e6 / 8.0 * rtt_ms / 1e3;
+        // `as` saturates: a huge product lands on the ceiling.
+        let bdp_bytes = bdp.max(0.0).ceil() as u64;
+        let stream_receive_window = bdp_bytes
+            .saturating_mul(2)
+            .clamp(MIN_STREAM_WINDOW, MAX_STREAM_WINDOW);
+        let connection = stream_receive_window
+            .saturating_mul(4)
+            .min(MAX_CONNECTION_WINDOW);
+        LinkWindows {
+            bdp_bytes,
+            stream_receive_window,
+            receive_window: connection,
+            send_window: connection,
+        }
+    }
+}
+
+/// The `[transport]` table of an aggregator or node process config (every key optional).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TransportSection {
+    /// Bandwidth of this process's link, megabits per second (with `rtt_ms`: windows are
+    /// sized as a bandwidth-delay product).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_mbps: Option<f64>,
+    /// Round-trip time of this process's link, milliseconds (with `link_mbps`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rtt_ms: Option<f64>,
+    /// Per-stream receive window, bytes (overrides the computed/default value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_receive_window: Option<u64>,
+    /// Connection receive window, bytes (overrides the computed/default value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receive_window: Option<u64>,
+    /// Send buffer, bytes (overrides the computed/default value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub send_window: Option<u64>,
+    /// Congestion controller: `bbr` (default), `cubic` or `newreno`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub congestion: Option<String>,
+}
+
+/// A `[transport]` value that cannot be used; names the key.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("transport.{key} = {value}: {why}")]
+pub struct TransportSectionError {
+    /// The key inside `[transport]`.
+    pub key: &'static str,
+    /// The value given.
+    pub value: String,
+    /// What is expected.
+    pub why: String,
+}
+
+impl TransportSection {
+    /// The transport settings these keys ask for (defaults for the rest), validated.
+    pub fn to_config(&self) -> Result<TransportConfig, TransportSectionError> {
+        let err = |key, value: String, why: String| TransportSectionError { key, value, why };
+        let mut config = TransportConfig::default();
+        for (key, value) in [("link_mbps", self.link_mbps), ("rtt_ms", self.rtt_ms)] {
+            if let Some(v) = value {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(err(key, v.to_string(), "must be a positive number".into()));
+                }
+            }
+        }
+        match (self.link_mbps, self.rtt_ms) {
+            (Some(mbps), Some(rtt)) => {
+                let w = LinkWindows::for_link(mbps, rtt);
+                config.stream_receive_window = w.stream_receive_window;
+                config.receive_window = w.receive_window;
+                config.send_window = w.send_window;
+            }
+            (None, None) => {}
+            (Some(mbps), None) => {
+                return Err(err(
+                    "link_mbps",
+                    mbps.to_string(),
+                    "needs rtt_ms too (windows are sized as bandwidth x round trip)".into(),
+                ))
+            }
+            (None, Some(rtt)) => {
+                return Err(err(
+                    "rtt_ms",
+                    rtt.to_string(),
+                    "needs link_mbps too (windows are sized as bandwidth x round trip)".into(),
+                ))
+            }
+        }
+        let limit = VarInt::MAX.into_inner();
+        for (key, value, slot) in [
+            (
+                "stream_receive_window",
+                self.stream_receive_window,
+                &mut config.stream_receive_window,
+            ),
+            (
+                "receive_window",
+                self.receive_window,
+                &mut config.receive_window,
+            ),
+            ("send_window", self.send_window, &mut config.send_window),
+        ] {
+            if let Some(v) = value {
+                if v == 0 || v > limit {
+                    return Err(err(
+                        key,
+                        v.to_string(),
+                        format!("must be in 1..={limit} bytes"),
+                    ));
+                }
+                *slot = v;
+            }
+        }
+        if config.stream_receive_window > config.receive_window {
+            let key = if self.stream_receive_window.is_some() {
+                "stream_receive_window"
+            } else {
+                "receive_window"
+            };
+            return Err(err(
+                key,
+                if key == "receive_window" {
+                    config.receive_window.to_string()
+                } else {
+                    config.stream_receive_window.to_string()
+                },
+                format!(
+                    "stream_receive_window ({}) must not exceed receive_window ({})",
+                    config.stream_receive_window, config.receive_window
+                ),
+            ));
+        }
+        if let Some(name) = &self.congestion {
+            config.congestion = name
+                .parse()
+                .map_err(|why| err("congestion", name.clone(), why))?;
+        }
+        config
+            .validate()
+            .map_err(|e| err("windows", String::new(), e.to_string()))?;
+        Ok(config)
+    }
 }
 
 impl Default for TransportConfig {
@@ -140,6 +342,11 @@ impl TransportConfig {
                     quinn::congestion::CubicConfig::default(),
                 ));
             }
+            Congestion::NewReno => {
+                quinn_config.congestion_controller_factory(Arc::new(
+                    quinn::congestion::NewRenoConfig::default(),
+                ));
+            }
         }
         Ok(Arc::new(quinn_config))
     }
@@ -189,6 +396,114 @@ mod tests {
         for case in cases {
             let err = case.validate().unwrap_err();
             assert!(matches!(err, TransportError::InvalidConfig(_)), "{case:?}");
+        }
+    }
+
+    #[test]
+    fn windows_are_the_bandwidth_delay_product_within_floor_and_ceiling() {
+        // 100 Mbit/s x 200 ms = 2.5 MB: stream window 2 x BDP, connection 4 x stream.
+        let w = LinkWindows::for_link(100.0, 200.0);
+        assert_eq!(w.bdp_bytes, 2_500_000);
+        assert_eq!(w.stream_receive_window, 5_000_000);
+        assert_eq!(w.receive_window, 20_000_000);
+        assert_eq!(w.send_window, 20_000_000);
+        // A slow link: the floor.
+        let slow = LinkWindows::for_link(2.0, 40.0);
+        assert_eq!(slow.bdp_bytes, 10_000);
+        assert_eq!(slow.stream_receive_window, MIN_STREAM_WINDOW);
+        assert_eq!(slow.receive_window, 4 * MIN_STREAM_WINDOW);
+        // A huge link: the ceilings.
+        let huge = LinkWindows::for_link(1e6, 1e4);
+        assert_eq!(huge.stream_receive_window, MAX_STREAM_WINDOW);
+        assert_eq!(huge.receive_window, MAX_CONNECTION_WINDOW);
+    }
+
+    #[test]
+    fn section_sizes_windows_and_explicit_keys_override() {
+        let section = TransportSection {
+            link_mbps: Some(100.0),
+            rtt_ms: Some(200.0),
+            send_window: Some(3 << 20),
+            congestion: Some("newreno".into()),
+            ..TransportSection::default()
+        };
+        let c = section.to_config().unwrap();
+        assert_eq!(c.stream_receive_window, 5_000_000);
+        assert_eq!(c.receive_window, 20_000_000);
+        assert_eq!(c.send_window, 3 << 20);
+        assert_eq!(c.congestion, Congestion::NewReno);
+        c.to_quinn().unwrap();
+        assert_eq!(
+            TransportSection::default().to_config().unwrap(),
+            TransportConfig::default()
+        );
+    }
+
+    #[test]
+    fn bad_section_values_name_their_key() {
+        let cases = [
+            (
+                TransportSection {
+                    link_mbps: Some(10.0),
+                    ..TransportSection::default()
+                },
+                "transport.link_mbps",
+            ),
+            (
+                TransportSection {
+                    rtt_ms: Some(10.0),
+                    ..TransportSection::default()
+                },
+                "transport.rtt_ms",
+            ),
+            (
+                TransportSection {
+                    link_mbps: Some(-1.0),
+                    rtt_ms: Some(10.0),
+                    ..TransportSection::default()
+                },
+                "transport.link_mbps",
+            ),
+            (
+                TransportSection {
+                    link_mbps: Some(10.0),
+                    rtt_ms: Some(f64::NAN),
+                    ..TransportSection::default()
+                },
+                "transport.rtt_ms",
+            ),
+            (
+                TransportSection {
+                    congestion: Some("vegas".into()),
+                    ..TransportSection::default()
+                },
+                "transport.congestion",
+            ),
+            (
+                TransportSection {
+                    send_window: Some(0),
+                    ..TransportSection::default()
+                },
+                "transport.send_window",
+            ),
+            (
+                TransportSection {
+                    stream_receive_window: Some(128 << 20),
+                    ..TransportSection::default()
+                },
+                "transport.stream_receive_window",
+            ),
+            (
+                TransportSection {
+                    receive_window: Some(1 << 20),
+                    ..TransportSection::default()
+                },
+                "transport.receive_window",
+            ),
+        ];
+        for (section, key) in cases {
+            let e = section.to_config().unwrap_err().to_string();
+            assert!(e.starts_with(key), "{e} (expected {key})");
         }
     }
 }

@@ -8,6 +8,7 @@ use engine::staleness::StalenessFn;
 use gpu_worker::cluster_model::{read_toml, ConfigFileError, ModelSection};
 use protocol::Codec;
 use serde::{Deserialize, Serialize};
+use transport::config::{TransportSection, TransportSectionError};
 
 use crate::config::AggregatorConfig;
 
@@ -101,6 +102,13 @@ pub struct AggregatorRunConfig {
     /// Averaging.
     #[serde(default)]
     pub aggregation: AggregationSection,
+    /// QUIC transport tuning (flow-control windows sized for the link, congestion control).
+    #[serde(default, skip_serializing_if = "is_default_transport")]
+    pub transport: TransportSection,
+}
+
+fn is_default_transport(t: &TransportSection) -> bool {
+    *t == TransportSection::default()
 }
 
 /// A configuration that cannot be used.
@@ -112,6 +120,9 @@ pub enum AggregatorConfigError {
     /// A value out of range.
     #[error("aggregation: {0}")]
     Invalid(String),
+    /// A bad `[transport]` value (names the key).
+    #[error(transparent)]
+    Transport(#[from] TransportSectionError),
 }
 
 impl AggregatorRunConfig {
@@ -119,6 +130,7 @@ impl AggregatorRunConfig {
     pub fn load(path: &Path) -> Result<Self, AggregatorConfigError> {
         let config: AggregatorRunConfig = read_toml(path)?;
         config.state_config()?;
+        config.transport.to_config()?;
         Ok(config)
     }
 
@@ -148,5 +160,63 @@ impl AggregatorRunConfig {
             .validate()
             .map_err(|e| AggregatorConfigError::Invalid(e.to_string()))?;
         Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu_worker::cluster_model::parse_toml;
+
+    const GOOD: &str = r#"
+[model]
+model = "mlp"
+dataset = "digits"
+
+[node]
+name = "agg-1"
+id = 2
+certs_dir = "certs"
+data_dir = "run/agg-1"
+listen = "127.0.0.1:7001"
+coordinator = "127.0.0.1:7000"
+credentials = "token"
+"#;
+
+    fn load(text: &str) -> Result<AggregatorRunConfig, AggregatorConfigError> {
+        let dir = std::env::temp_dir().join(format!("ddp-aggcfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("{:x}.toml", crc32c::crc32c(text.as_bytes())));
+        std::fs::write(&path, text).unwrap();
+        let result = AggregatorRunConfig::load(&path);
+        let _ = std::fs::remove_file(&path);
+        result
+    }
+
+    #[test]
+    fn transport_section_is_optional_and_sizes_windows() {
+        let c = load(GOOD).unwrap();
+        assert_eq!(
+            c.transport.to_config().unwrap(),
+            transport::TransportConfig::default()
+        );
+        let c = load(&format!(
+            "{GOOD}\n[transport]\nlink_mbps = 1000\nrtt_ms = 100\nreceive_window = 200000000\n"
+        ))
+        .unwrap();
+        let t = c.transport.to_config().unwrap();
+        assert_eq!(t.stream_receive_window, 25_000_000);
+        assert_eq!(t.receive_window, 200_000_000);
+        assert_eq!(t.send_window, 100_000_000);
+    }
+
+    #[test]
+    fn bad_transport_values_name_the_key() {
+        let e = load(&format!("{GOOD}\n[transport]\nlink_mbps = 0\nrtt_ms = 5\n")).unwrap_err();
+        assert!(matches!(e, AggregatorConfigError::Transport(_)), "{e}");
+        assert!(e.to_string().starts_with("transport.link_mbps"), "{e}");
+        let e = load(&format!("{GOOD}\n[transport]\nrtt = 5\n")).unwrap_err();
+        assert!(e.to_string().contains("rtt"), "{e}");
+        let _ = parse_toml::<AggregatorRunConfig>(GOOD, Path::new("x")).unwrap();
     }
 }

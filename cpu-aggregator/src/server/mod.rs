@@ -2,6 +2,7 @@
 //! and the tokio + QUIC shell around [`crate::AggregatorState`].
 
 pub mod config;
+pub mod initial;
 pub mod run;
 pub mod shard_file;
 

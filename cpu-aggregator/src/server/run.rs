@@ -11,7 +11,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_worker::layout::{sync_layout, SyncLayerDef};
 use protocol::{
     encode_frame, Capabilities, ErrorCode, ErrorReply, Heartbeat, Join, Leave, Message, NodeStats,
     Role,
@@ -20,11 +19,12 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
-use transport::{PeerConnection, QuicNode, TlsIdentity, TransportConfig};
+use transport::{PeerConnection, QuicNode, TlsIdentity};
 
 use super::config::AggregatorRunConfig;
+use super::initial::InitialLayers;
 use super::shard_file::{self, AppliedEntry, ShardFileError};
-use crate::config::OwnedLayer;
+use crate::config::{AggregatorConfig, OwnedLayer};
 use crate::state::{AggEvent, AggregatorCounters, AggregatorState, Output};
 
 /// Connection id of the coordinator link.
@@ -105,8 +105,7 @@ struct Shell {
     name: String,
     id: u64,
     state: AggregatorState,
-    layout: Vec<SyncLayerDef>,
-    initial: HashMap<u32, Vec<f32>>,
+    initial: InitialLayers,
     shard_path: PathBuf,
     ledger: Vec<AppliedEntry>,
     conns: HashMap<u64, PeerConnection>,
@@ -134,35 +133,19 @@ pub async fn run_aggregator(
     let state_config = config
         .state_config()
         .map_err(|e| AggregatorRunError::Setup(e.to_string()))?;
-    let model_section = config.model.clone();
-    let task = tokio::task::spawn_blocking(move || model_section.load_task())
-        .await
-        .map_err(|e| AggregatorRunError::Setup(e.to_string()))?
-        .map_err(AggregatorRunError::Setup)?;
-    let model = task.build_model(config.model.seed);
-    let layout = sync_layout(&model);
-    let initial = layout
-        .iter()
-        .map(|l| (l.layer_id, model.layer_values(l.model_index)))
-        .collect();
-    std::fs::create_dir_all(&config.node.data_dir).map_err(|source| ShardFileError::Io {
-        path: config.node.data_dir.clone(),
-        source,
-    })?;
-    let shard_path = config.node.data_dir.join("shard.bin");
-    let (state, ledger, resumed) = match shard_file::read(&shard_path)? {
-        Some((snapshot, ledger)) => {
-            let state = AggregatorState::restore(&snapshot, state_config)
-                .map_err(|e| AggregatorRunError::Setup(format!("{}: {e}", shard_path.display())))?;
-            (state, ledger, true)
-        }
-        None => (
-            AggregatorState::new(config.node.id, Vec::new(), state_config)
-                .map_err(|e| AggregatorRunError::Setup(e.to_string()))?,
-            Vec::new(),
-            false,
-        ),
+    let opened = {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || open_startup(&config, state_config))
+            .await
+            .map_err(|e| AggregatorRunError::Setup(e.to_string()))??
     };
+    let Startup {
+        state,
+        ledger,
+        resumed,
+        initial,
+        shard_path,
+    } = opened;
     let versions: Vec<String> = state
         .layer_ids()
         .filter_map(|id| state.layer(id).map(|l| format!("{}@{}", l.name, l.version)))
@@ -184,10 +167,14 @@ pub async fn run_aggregator(
     );
 
     let identity = TlsIdentity::in_dir(&config.node.certs_dir, &config.node.name);
+    let transport_config = config
+        .transport
+        .to_config()
+        .map_err(|e| AggregatorRunError::Setup(e.to_string()))?;
     let quic = Arc::new(QuicNode::bind(
         config.node.listen,
         &identity,
-        &TransportConfig::default(),
+        &transport_config,
     )?);
     let listen = quic.local_addr()?;
     let (tx, mut rx) = mpsc::unbounded_channel::<Inbound>();
@@ -204,7 +191,6 @@ pub async fn run_aggregator(
         name: config.node.name.clone(),
         id: config.node.id,
         state,
-        layout,
         initial,
         shard_path,
         ledger,
@@ -289,6 +275,51 @@ pub async fn run_aggregator(
         summary.name, summary.deltas_applied, summary.duplicates_rejected
     );
     Ok(summary)
+}
+
+/// What an aggregator starts from.
+#[derive(Debug)]
+struct Startup {
+    state: AggregatorState,
+    ledger: Vec<AppliedEntry>,
+    resumed: bool,
+    initial: InitialLayers,
+    shard_path: PathBuf,
+}
+
+/// Opens the shard file: a restart resumes from it **without building the initial
+/// weights**; a fresh start builds them from the model section (no data set is read).
+fn open_startup(
+    config: &AggregatorRunConfig,
+    state_config: AggregatorConfig,
+) -> Result<Startup, AggregatorRunError> {
+    let mut initial =
+        InitialLayers::new(config.model.clone()).map_err(AggregatorRunError::Setup)?;
+    std::fs::create_dir_all(&config.node.data_dir).map_err(|source| ShardFileError::Io {
+        path: config.node.data_dir.clone(),
+        source,
+    })?;
+    let shard_path = config.node.data_dir.join("shard.bin");
+    let (state, ledger, resumed) = match shard_file::read(&shard_path)? {
+        Some((snapshot, ledger)) => {
+            let state = AggregatorState::restore(&snapshot, state_config)
+                .map_err(|e| AggregatorRunError::Setup(format!("{}: {e}", shard_path.display())))?;
+            (state, ledger, true)
+        }
+        None => {
+            initial.build().map_err(AggregatorRunError::Setup)?;
+            let state = AggregatorState::new(config.node.id, Vec::new(), state_config)
+                .map_err(|e| AggregatorRunError::Setup(e.to_string()))?;
+            (state, Vec::new(), false)
+        }
+    };
+    Ok(Startup {
+        state,
+        ledger,
+        resumed,
+        initial,
+        shard_path,
+    })
 }
 
 async fn sleep_until_opt(at: Option<Instant>) {
@@ -560,28 +591,45 @@ impl Shell {
                 info!("[MAP] layer {layer_id} moved away (epoch {epoch})");
             }
         }
-        for def in &self.layout {
-            if mine.contains(&def.layer_id) && self.state.layer(def.layer_id).is_none() {
-                let layer = OwnedLayer {
-                    layer_id: def.layer_id,
-                    name: def.name.clone(),
-                    shape: vec![def.len as u32],
-                    values: self.initial[&def.layer_id].clone(),
-                };
-                if let Err(e) = self.state.adopt_layer(layer, 0, &[]) {
-                    error!("[ERROR] cannot own layer {}: {e}", def.name);
-                }
+        let mut missing: Vec<u32> = mine
+            .iter()
+            .copied()
+            .filter(|&id| self.state.layer(id).is_none())
+            .collect();
+        missing.sort_unstable();
+        if !missing.is_empty() && !self.initial.is_built() {
+            info!(
+                "[MAP] building the initial weights for layers {missing:?} (not in the shard file)"
+            );
+            let initial = &mut self.initial;
+            if let Err(e) = tokio::task::block_in_place(|| initial.build()) {
+                error!("[ERROR] cannot build the initial weights: {e}");
+                return;
             }
         }
-        let names: Vec<&str> = self
+        for layer_id in missing {
+            let def = match self.initial.layout() {
+                Ok(layout) => layout.iter().find(|d| d.layer_id == layer_id).cloned(),
+                Err(_) => None,
+            };
+            let (Some(def), Ok(Some(values))) = (def, self.initial.values(layer_id)) else {
+                error!("[ERROR] the layer map assigns layer {layer_id}, which this model lacks");
+                continue;
+            };
+            let layer = OwnedLayer {
+                layer_id,
+                name: def.name.clone(),
+                shape: vec![def.len as u32],
+                values: values.to_vec(),
+            };
+            if let Err(e) = self.state.adopt_layer(layer, 0, &[]) {
+                error!("[ERROR] cannot own layer {}: {e}", def.name);
+            }
+        }
+        let names: Vec<String> = self
             .state
             .layer_ids()
-            .filter_map(|id| {
-                self.layout
-                    .iter()
-                    .find(|d| d.layer_id == id)
-                    .map(|d| d.name.as_str())
-            })
+            .filter_map(|id| self.state.layer(id).map(|l| l.name.to_string()))
             .collect();
         info!(
             "[MAP] epoch={epoch} aggregator={} owns [{}]",
@@ -664,11 +712,7 @@ impl Shell {
                         let b = (tau as usize).min(STALENESS_BUCKETS - 1);
                         self.staleness[b] += 1;
                     }
-                    let name = self
-                        .layout
-                        .iter()
-                        .find(|d| d.layer_id == *layer_id)
-                        .map_or("?", |d| d.name.as_str());
+                    let name = self.state.layer(*layer_id).map_or("?", |l| l.name);
                     debug!("[APPLY] layer={name} version={version} deltas={n_deltas} staleness={staleness:?}");
                 }
                 Output::Send {
@@ -822,5 +866,86 @@ impl Shell {
             layer_versions: self.layer_versions(),
             ledger_len: self.ledger.len(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(data_dir: PathBuf) -> AggregatorRunConfig {
+        let text = format!(
+            r#"
+[model]
+model = "mlp"
+dataset = "mnist"
+data_dir = "/nonexistent/dreamddp-no-data-here"
+seed = 1
+
+[node]
+name = "agg-1"
+id = 2
+certs_dir = "certs"
+data_dir = {data_dir:?}
+listen = "127.0.0.1:0"
+coordinator = "127.0.0.1:1"
+credentials = "x"
+"#
+        );
+        toml::from_str(&text).unwrap()
+    }
+
+    #[test]
+    fn a_fresh_start_builds_initial_weights_without_the_data_set_and_a_restart_none() {
+        let dir = std::env::temp_dir().join(format!("ddp-agg-startup-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let config = config(dir.clone());
+        let state_config = config.state_config().unwrap();
+
+        // Fresh: MNIST's data folder does not exist, yet the MNIST-shaped weights are built.
+        let mut fresh = open_startup(&config, state_config.clone()).unwrap();
+        assert!(!fresh.resumed);
+        assert!(fresh.initial.is_built());
+        let first = fresh.initial.layout().unwrap()[0].clone();
+        assert_eq!(first.len, 784 * 512 + 512);
+        let values = fresh
+            .initial
+            .values(first.layer_id)
+            .unwrap()
+            .unwrap()
+            .to_vec();
+        fresh
+            .state
+            .adopt_layer(
+                OwnedLayer {
+                    layer_id: first.layer_id,
+                    name: first.name.clone(),
+                    shape: vec![first.len as u32],
+                    values,
+                },
+                0,
+                &[],
+            )
+            .unwrap();
+        let bytes = shard_file::encode(&fresh.state.snapshot(), &[]);
+        shard_file::write_atomic(&fresh.shard_path, &bytes).unwrap();
+
+        // Restart: the shard file is there, so no initial weights are built.
+        let restarted = open_startup(&config, state_config).unwrap();
+        assert!(restarted.resumed);
+        assert!(!restarted.initial.is_built());
+        assert!(restarted.state.layer(first.layer_id).is_some());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_model_that_does_not_fit_its_data_set_is_a_setup_error() {
+        let dir = std::env::temp_dir().join(format!("ddp-agg-badmodel-{}", std::process::id()));
+        let mut config = config(dir.clone());
+        config.model.model = "gpt-tiny".into();
+        let state_config = config.state_config().unwrap();
+        let e = open_startup(&config, state_config).unwrap_err();
+        assert!(matches!(e, AggregatorRunError::Setup(_)), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use protocol::Codec;
 use serde::{Deserialize, Serialize};
+pub use transport::config::{TransportSection, TransportSectionError};
 
 pub use gpu_worker::cluster_model::ModelSection;
 use gpu_worker::cluster_model::{parse_toml, read_toml, ConfigFileError};
@@ -105,7 +106,9 @@ pub struct SyncSection {
     /// Attempts before a delta is weak-synced into the cache.
     #[serde(default = "default_attempts")]
     pub max_attempts: u32,
-    /// Codec of fresh deltas: `raw-f32`, `f16`, `bf16`, `zstd-f16`, ...
+    /// Codec of fresh deltas: `raw-f32`, `f16`, `bf16`, `zstd-f32`, `zstd-f16`, `zstd-bf16`,
+    /// or `topk:F` (each delta carries only the `ceil(F · len)` largest-magnitude elements of
+    /// each layer, `0 < F ≤ 1`, with error feedback; see [`DeltaCodec::TopK`]).
     #[serde(default = "default_codec")]
     pub codec: String,
     /// How often the cache is retried while links are down, milliseconds.
@@ -166,6 +169,13 @@ pub struct NodeRunConfig {
     /// Cross-site sync.
     #[serde(default)]
     pub sync: SyncSection,
+    /// QUIC transport tuning (flow-control windows sized for the link, congestion control).
+    #[serde(default, skip_serializing_if = "is_default_transport")]
+    pub transport: TransportSection,
+}
+
+fn is_default_transport(t: &TransportSection) -> bool {
+    *t == TransportSection::default()
 }
 
 /// A configuration that cannot be used.
@@ -184,6 +194,67 @@ pub enum NodeConfigError {
         /// What is expected.
         why: String,
     },
+    /// A bad `[transport]` value (names the key).
+    #[error(transparent)]
+    Transport(#[from] TransportSectionError),
+}
+
+/// How fresh deltas are encoded (`sync.codec`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DeltaCodec {
+    /// Every element, in this wire codec.
+    Dense(Codec),
+    /// Top-k sparsification with error feedback: each cut keeps only the
+    /// `k = ceil(fraction · len)` largest-magnitude elements of the layer's delta
+    /// `θ − anchor` and sends them as a zstd-wrapped f32 payload: the zero runs compress
+    /// away, ~5.4–6.4 bytes per kept element on random values, below the 8 of the
+    /// `Codec::TopK` index+value layout, and any aggregator decodes it. The rest is the error-feedback residual. It is **not** kept in a
+    /// separate buffer: the sync client advances a layer's anchor by exactly what a delta
+    /// carries, so the residual stays in `θ − anchor` and is part of the next cut. A cut delta
+    /// is handed to the client whole — in flight, then (if its deadlines pass) in the durable
+    /// weak-sync cache as the same dense vector, retransmitted losslessly until acked — so
+    /// what the cache holds is delivered exactly once and the residual is never sent twice
+    /// nor dropped (see `edge_agent::state` and [`super::topk`]).
+    TopK {
+        /// Fraction of each layer's elements sent per delta, in `(0, 1]`.
+        fraction: f64,
+    },
+}
+
+impl DeltaCodec {
+    /// The codec the sync client encodes fresh deltas with.
+    pub fn wire_codec(&self) -> Codec {
+        match self {
+            DeltaCodec::Dense(c) => *c,
+            DeltaCodec::TopK { .. } => Codec::ZstdRawF32,
+        }
+    }
+
+    /// The top-k fraction, if this is top-k.
+    pub fn top_k_fraction(&self) -> Option<f64> {
+        match self {
+            DeltaCodec::TopK { fraction } => Some(*fraction),
+            DeltaCodec::Dense(_) => None,
+        }
+    }
+}
+
+/// Parses `sync.codec`: a dense codec name ([`parse_codec`]) or `topk:F` with `0 < F ≤ 1`.
+pub fn parse_delta_codec(name: &str) -> Result<DeltaCodec, String> {
+    if let Some(fraction) = name.strip_prefix("topk:") {
+        let f: f64 = fraction.trim().parse().map_err(|_| {
+            format!("topk:{fraction}: the fraction must be a number in (0, 1], e.g. topk:0.01")
+        })?;
+        if !(f.is_finite() && f > 0.0 && f <= 1.0) {
+            return Err(format!(
+                "topk:{fraction}: the fraction of elements sent must be in (0, 1], e.g. topk:0.01"
+            ));
+        }
+        return Ok(DeltaCodec::TopK { fraction: f });
+    }
+    parse_codec(name).map(DeltaCodec::Dense).ok_or_else(|| {
+        "use raw-f32, f16, bf16, zstd-f32, zstd-f16, zstd-bf16 or topk:F (0 < F <= 1)".to_string()
+    })
 }
 
 /// Parses a codec name as used in configs.
@@ -271,13 +342,10 @@ impl NodeRunConfig {
                 "must be at least 1",
             ));
         }
-        if parse_codec(&s.codec).is_none() {
-            return Err(invalid(
-                "sync.codec",
-                s.codec.clone(),
-                "use raw-f32, f16, bf16, zstd-f32, zstd-f16 or zstd-bf16",
-            ));
+        if let Err(why) = parse_delta_codec(&s.codec) {
+            return Err(invalid("sync.codec", s.codec.clone(), &why));
         }
+        self.transport.to_config()?;
         if self.node.name.is_empty() {
             return Err(invalid("node.name", String::new(), "must not be empty"));
         }
@@ -328,5 +396,63 @@ steps = 10
         let text = GOOD.replace("world = 1", "world = 0");
         let e = NodeRunConfig::parse(&text, Path::new("x.toml")).unwrap_err();
         assert!(e.to_string().contains("training.world"), "{e}");
+    }
+
+    #[test]
+    fn top_k_codec_parses_and_bad_fractions_name_the_key() {
+        let text = format!("{GOOD}\n[sync]\ncodec = \"topk:0.01\"\n");
+        let c = NodeRunConfig::parse(&text, Path::new("x.toml")).unwrap();
+        let codec = parse_delta_codec(&c.sync.codec).unwrap();
+        assert_eq!(codec, DeltaCodec::TopK { fraction: 0.01 });
+        assert_eq!(codec.wire_codec(), Codec::ZstdRawF32);
+        assert_eq!(
+            parse_delta_codec("f16").unwrap(),
+            DeltaCodec::Dense(Codec::F16)
+        );
+        assert!(parse_delta_codec("topk:1").is_ok());
+        for bad in [
+            "topk:0",
+            "topk:2",
+            "topk:abc",
+            "topk:-0.5",
+            "topk:",
+            "topk:NaN",
+        ] {
+            let text = format!("{GOOD}\n[sync]\ncodec = \"{bad}\"\n");
+            let e = NodeRunConfig::parse(&text, Path::new("x.toml")).unwrap_err();
+            assert!(
+                matches!(
+                    &e,
+                    NodeConfigError::Invalid {
+                        key: "sync.codec",
+                        ..
+                    }
+                ),
+                "{bad}: {e}"
+            );
+            assert!(
+                e.to_string().starts_with(&format!("sync.codec = {bad}")),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn transport_keys_size_windows_and_bad_ones_name_the_key() {
+        let text =
+            format!("{GOOD}\n[transport]\nlink_mbps = 100\nrtt_ms = 200\ncongestion = \"cubic\"\n");
+        let c = NodeRunConfig::parse(&text, Path::new("x.toml")).unwrap();
+        let t = c.transport.to_config().unwrap();
+        assert_eq!(t.stream_receive_window, 5_000_000);
+        assert_eq!(t.congestion, transport::Congestion::Cubic);
+        let text = format!("{GOOD}\n[transport]\nrtt_ms = 200\n");
+        let e = NodeRunConfig::parse(&text, Path::new("x.toml")).unwrap_err();
+        assert!(e.to_string().starts_with("transport.rtt_ms"), "{e}");
+        let text = format!("{GOOD}\n[transport]\ncongestion = \"reno\"\n");
+        let e = NodeRunConfig::parse(&text, Path::new("x.toml")).unwrap_err();
+        assert!(e.to_string().starts_with("transport.congestion"), "{e}");
+        let text = format!("{GOOD}\n[transport]\nwindow = 5\n");
+        let e = NodeRunConfig::parse(&text, Path::new("x.toml")).unwrap_err();
+        assert!(e.to_string().contains("window"), "{e}");
     }
 }

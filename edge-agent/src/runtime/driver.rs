@@ -20,6 +20,8 @@ use crate::config::NodeId;
 use crate::durable_cache::DurableCache;
 use crate::state::{ClientEvent, Output, SyncClient};
 
+use super::topk::TopKSparsifier;
+
 /// Where the driver sends messages (the network task's command channel).
 pub trait Outbox: Send {
     /// Queue `msg` for aggregator `to`. Never blocks; a message for an unreachable
@@ -78,6 +80,7 @@ pub struct SyncDriver {
     map_epoch: u64,
     fatal: Option<String>,
     scratch: Vec<f32>,
+    top_k: Option<TopKSparsifier>,
 }
 
 impl SyncDriver {
@@ -113,7 +116,16 @@ impl SyncDriver {
             map_epoch,
             fatal: None,
             scratch: Vec::new(),
+            top_k: None,
         }
+    }
+
+    /// Cuts top-k sparsified deltas (`sync.codec = "topk:F"`): each due layer is handed to
+    /// the client as `anchor + topk(θ − anchor)`; the rest stays in `θ − anchor` as the
+    /// error-feedback residual (see [`super::topk`]).
+    pub fn with_top_k(mut self, top_k: Option<TopKSparsifier>) -> Self {
+        self.top_k = top_k;
+        self
     }
 
     fn now(&self) -> u64 {
@@ -388,7 +400,14 @@ impl SyncDriver {
         let mut values: HashMap<u32, Vec<f32>> = HashMap::new();
         for id in self.client.due_layers(step).collect::<Vec<_>>() {
             if let Some(&i) = by_id.get(&id) {
-                values.insert(id, model.layer_values(layers[i].model_index));
+                let theta = model.layer_values(layers[i].model_index);
+                let theta = match (&self.top_k, self.client.anchor(id)) {
+                    (Some(top_k), Some(anchor)) if anchor.len() == theta.len() => top_k
+                        .sparsify(&theta, anchor)
+                        .map_err(|e| format!("top-k of layer {id} at step {step}: {e}"))?,
+                    _ => theta,
+                };
+                values.insert(id, theta);
             }
         }
         let empty: Vec<f32> = Vec::new();

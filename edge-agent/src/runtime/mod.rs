@@ -6,6 +6,7 @@ pub mod config;
 pub mod driver;
 pub mod net;
 pub mod run;
+pub mod topk;
 
 pub use config::{NodeConfigError, NodeRunConfig};
 pub use run::{next_incarnation, run_node, NodeRunError, NodeRunSummary};

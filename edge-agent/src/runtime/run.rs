@@ -17,11 +17,12 @@ use gpu_worker::task::Task;
 use protocol::{Capabilities, Role};
 use serde::Serialize;
 use tracing::{info, warn};
-use transport::{QuicNode, TlsIdentity, TransportConfig};
+use transport::{QuicNode, TlsIdentity};
 
-use super::config::{parse_codec, NodeRunConfig};
+use super::config::{parse_delta_codec, NodeRunConfig};
 use super::driver::{DriverCounters, SyncDriver};
 use super::net::{start_node_net, NetConfig};
+use super::topk::TopKSparsifier;
 use crate::config::{spread_phases, ClientConfig, LayerInit, LayerSpec};
 use crate::durable_cache::DurableCache;
 use crate::state::SyncClient;
@@ -32,6 +33,9 @@ pub enum NodeRunError {
     /// The model or data could not be loaded.
     #[error("data: {0}")]
     Data(String),
+    /// A config value that cannot be used (names the key).
+    #[error("config: {0}")]
+    Config(String),
     /// The weak-sync cache could not be opened.
     #[error("weak-sync cache: {0}")]
     Cache(#[from] crate::durable_cache::CacheError),
@@ -174,12 +178,16 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         .build()
         .map_err(io(Path::new("tokio runtime")))?;
     let identity = TlsIdentity::in_dir(&config.node.certs_dir, &config.node.name);
+    let transport_config = config
+        .transport
+        .to_config()
+        .map_err(|e| NodeRunError::Config(e.to_string()))?;
     let quic = {
         let _guard = runtime.enter();
         Arc::new(QuicNode::bind(
             config.node.bind,
             &identity,
-            &TransportConfig::default(),
+            &transport_config,
         )?)
     };
     let (events_tx, events_rx) = std::sync::mpsc::channel();
@@ -210,7 +218,9 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
     let owners: std::collections::HashMap<u32, u64> =
         net.join_ack.layer_owners.iter().copied().collect();
 
-    let codec = parse_codec(&config.sync.codec).unwrap_or(protocol::Codec::RawF32);
+    let delta_codec = parse_delta_codec(&config.sync.codec).map_err(|why| {
+        NodeRunError::Config(format!("sync.codec = {}: {why}", config.sync.codec))
+    })?;
     let mut specs: Vec<LayerSpec> = layout
         .iter()
         .map(|l| LayerSpec {
@@ -241,7 +251,7 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         .collect();
     let client_config = ClientConfig {
         max_attempts: config.sync.max_attempts,
-        delta_codec: codec,
+        delta_codec: delta_codec.wire_codec(),
         flush_interval_ns: config.sync.flush_interval_ms * 1_000_000,
         first_seq: incarnation << 32,
     };
@@ -250,7 +260,7 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
     let restored = client
         .restore_from_cache(0, cached)
         .map_err(|e| NodeRunError::Training(format!("restoring the weak-sync cache: {e}")))?;
-    let mut driver = SyncDriver::new(
+    let driver = SyncDriver::new(
         client,
         cache,
         layout.clone(),
@@ -260,6 +270,7 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         Duration::from_millis(config.sync.stats_every_ms),
         net.join_ack.map_epoch,
     );
+    let mut driver = driver.with_top_k(delta_codec.top_k_fraction().map(TopKSparsifier::new));
     driver.note_restored(restored);
 
     // Bootstrap: the aggregators answer our Subscribe with the current global versions.
