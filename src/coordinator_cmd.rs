@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use coordinator::{CoordinatorConfig, CoordinatorRunConfig, LayerInfo};
-use gpu_worker::cluster_model::{read_toml, ModelSection};
+use gpu_worker::cluster_model::{read_toml_with_overrides, ModelSection};
 use gpu_worker::layout::sync_layout;
 use serde::{Deserialize, Serialize};
 use transport::TransportConfig;
@@ -54,9 +54,9 @@ fn default_lease() -> u64 {
 
 /// Runs the coordinator until SIGTERM / Ctrl-C.
 pub fn run(args: ProcessArgs) -> Result<()> {
-    let file: CoordinatorFile = read_toml(&args.config)?;
-    let task = file.model.load_task().map_err(anyhow::Error::msg)?;
-    let model = task.build_model(file.model.seed);
+    let file: CoordinatorFile = read_toml_with_overrides(&args.config, &args.set)?;
+    // The layer layout only needs the model's shapes, not the data set.
+    let model = file.model.initial_model().map_err(anyhow::Error::msg)?;
     let layers = sync_layout(&model)
         .into_iter()
         .map(|l| LayerInfo {

@@ -12,9 +12,13 @@ use tokio_util::sync::CancellationToken;
 /// Flags of `aggregator`, `worker` and `edge`.
 #[derive(Args, Debug, Clone)]
 pub struct ProcessArgs {
-    /// The process's TOML config (see `examples/` and the README's "Cluster configuration").
+    /// The process's TOML config (see `examples/` and the README's "The real cluster").
     #[arg(long)]
     pub config: PathBuf,
+    /// Override one config key, e.g. `--set node.listen=0.0.0.0:7100 --set sync.deadline_ms=800`
+    /// (dotted key; the value is read as TOML, or as a string if it is not valid TOML).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
 }
 
 /// Flags of `certs`.
@@ -53,7 +57,8 @@ pub fn shutdown_on_signal() -> CancellationToken {
 
 /// `dreamddp aggregator --config F`.
 pub fn aggregator(args: ProcessArgs) -> Result<()> {
-    let config = cpu_aggregator::server::AggregatorRunConfig::load(&args.config)?;
+    let config =
+        cpu_aggregator::server::AggregatorRunConfig::load_with_overrides(&args.config, &args.set)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -68,7 +73,7 @@ pub fn aggregator(args: ProcessArgs) -> Result<()> {
 
 /// `dreamddp worker --config F` (N local workers) and `dreamddp edge --config F` (1).
 pub fn trainer(args: ProcessArgs, role: Role) -> Result<()> {
-    let config = edge_agent::runtime::NodeRunConfig::load(&args.config)?;
+    let config = edge_agent::runtime::NodeRunConfig::load_with_overrides(&args.config, &args.set)?;
     if role == Role::Edge && config.training.workers != 1 {
         anyhow::bail!(
             "{}: training.workers = {} but an edge agent trains with 1 worker (use `dreamddp worker` for a multi-worker node)",
@@ -94,7 +99,19 @@ pub fn certs(args: CertsArgs) -> Result<()> {
 /// `dreamddp relay --config F`: a lossy UDP relay until SIGTERM / Ctrl-C; prints its
 /// per-direction counters at exit.
 pub fn relay(args: ProcessArgs) -> Result<()> {
-    let config = relay::load_relay_config(&args.config)?;
+    let config = if args.set.is_empty() {
+        relay::load_relay_config(&args.config)?
+    } else {
+        let text = std::fs::read_to_string(&args.config)
+            .with_context(|| format!("reading {}", args.config.display()))?;
+        let text = gpu_worker::cluster_model::apply_overrides(&text, &args.config, &args.set)?;
+        let base_dir = args
+            .config
+            .parent()
+            .map(std::path::Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
+        relay::RelayConfig::from_toml_str(&text, &base_dir)?
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

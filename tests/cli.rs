@@ -188,3 +188,31 @@ fn plan_prints_the_schedule() {
         assert!(t.contains(layer), "{t}");
     }
 }
+
+#[test]
+fn process_configs_take_set_overrides_and_a_bad_value_names_its_key() {
+    let dir = scratch("cli-set");
+    let config = dir.join("edge.toml");
+    std::fs::write(
+        &config,
+        "[node]\nname = \"edge-1\"\nid = 11\ncoordinator = \"127.0.0.1:9\"\ncerts_dir = \"certs\"\ndata_dir = \"data\"\ncredentials = \"x\"\n\n[model]\nmodel = \"mlp\"\ndataset = \"digits\"\n\n[training]\nfirst_rank = 0\nworld = 1\nsteps = 10\n",
+    )
+    .unwrap();
+    let path = config.to_str().expect("utf-8");
+    // An override with an unknown key is refused, naming the key.
+    let o = dreamddp(&["edge", "--config", path, "--set", "sync.deadline_msec=900"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("deadline_msec"), "{}", text(&o));
+    // A value of the wrong type names the key too.
+    let o = dreamddp(&["edge", "--config", path, "--set", "sync.deadline_ms=soon"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("deadline_ms"), "{}", text(&o));
+    // A malformed setting says what is expected.
+    let o = dreamddp(&["edge", "--config", path, "--set", "sync.deadline_ms"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("KEY=VALUE"), "{}", text(&o));
+    // A bad codec given by override is refused by the same validation as the file.
+    let o = dreamddp(&["edge", "--config", path, "--set", "sync.codec=topk:2"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("sync.codec"), "{}", text(&o));
+}

@@ -573,7 +573,11 @@ fn an_authenticated_peer_sending_bad_frames_is_disconnected_and_training_goes_on
         .filter(|l| l.contains("[ERROR]") && l.contains("peer=intruder"))
         .collect();
     assert!(
-        named.len() >= 3,
-        "one [ERROR] naming the peer per bad frame:\n{log}"
+        named.len() >= 4,
+        "one [ERROR] naming the peer per bad frame and one for the NaN delta:\n{log}"
+    );
+    assert!(
+        log.contains("[ERROR] peer=intruder node=999 bad input"),
+        "the NaN delta is logged with the peer's name:\n{log}"
     );
 }

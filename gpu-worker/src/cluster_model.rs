@@ -203,6 +203,14 @@ pub enum ConfigFileError {
         /// What toml said.
         message: String,
     },
+    /// A `--set KEY=VALUE` override that cannot be applied.
+    #[error("--set {setting}: {message}")]
+    Override {
+        /// The override as given.
+        setting: String,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 /// Parses TOML config text (`path` only names the source in errors).
@@ -215,11 +223,71 @@ pub fn parse_toml<T: DeserializeOwned>(text: &str, path: &Path) -> Result<T, Con
 
 /// Reads and parses a TOML config file; every process config goes through here.
 pub fn read_toml<T: DeserializeOwned>(path: &Path) -> Result<T, ConfigFileError> {
+    read_toml_with_overrides(path, &[])
+}
+
+/// [`read_toml`] with command-line overrides applied first: each `KEY=VALUE` sets the dotted
+/// `KEY` (e.g. `node.listen`, `sync.deadline_ms`) to `VALUE`, read as a TOML value when it is
+/// one (`500`, `true`, `"x"`, `[1, 2]`) and as a string otherwise (`127.0.0.1:7000`). The
+/// result is checked like the file itself, so an unknown key is still an error naming it.
+pub fn read_toml_with_overrides<T: DeserializeOwned>(
+    path: &Path,
+    overrides: &[String],
+) -> Result<T, ConfigFileError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigFileError::Read {
         path: path.to_path_buf(),
         source,
     })?;
+    if overrides.is_empty() {
+        return parse_toml(&text, path);
+    }
+    let text = apply_overrides(&text, path, overrides)?;
     parse_toml(&text, path)
+}
+
+/// Applies `KEY=VALUE` overrides to TOML text (see [`read_toml_with_overrides`]).
+pub fn apply_overrides(
+    text: &str,
+    path: &Path,
+    overrides: &[String],
+) -> Result<String, ConfigFileError> {
+    let mut table: toml::Table = parse_toml(text, path)?;
+    for setting in overrides {
+        let bad = |message: String| ConfigFileError::Override {
+            setting: setting.clone(),
+            message,
+        };
+        let (key, raw) = setting
+            .split_once('=')
+            .ok_or_else(|| bad("expected KEY=VALUE, e.g. node.listen=127.0.0.1:7000".into()))?;
+        let parts: Vec<&str> = key.trim().split('.').collect();
+        if parts.iter().any(|p| p.is_empty()) {
+            return Err(bad(format!(
+                "{key:?} is not a dotted key like sync.deadline_ms"
+            )));
+        }
+        let value = match toml::from_str::<toml::Table>(&format!("v = {}", raw.trim())) {
+            Ok(mut t) => t
+                .remove("v")
+                .unwrap_or(toml::Value::String(raw.trim().into())),
+            Err(_) => toml::Value::String(raw.trim().into()),
+        };
+        let (last, tables) = parts.split_last().ok_or_else(|| bad("empty key".into()))?;
+        let mut current = &mut table;
+        for (i, part) in tables.iter().enumerate() {
+            let entry = current
+                .entry(part.to_string())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            current = entry
+                .as_table_mut()
+                .ok_or_else(|| bad(format!("{} is a value, not a table", parts[..=i].join("."))))?;
+        }
+        current.insert(last.to_string(), value);
+    }
+    toml::to_string(&table).map_err(|e| ConfigFileError::Parse {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
 }
 
 /// Writes `bytes` to `path` durably and atomically: a temp file beside it, fsync, rename,
@@ -245,6 +313,38 @@ pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 mod tests {
     use super::*;
     use crate::layout::sync_layout;
+
+    #[test]
+    fn overrides_set_nested_keys_with_typed_values_and_errors_name_the_setting() {
+        let text = "[node]\nname = \"edge-1\"\n\n[sync]\ndeadline_ms = 500\n";
+        let p = Path::new("edge.toml");
+        let set = |o: &[&str]| {
+            let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+            apply_overrides(text, p, &o).and_then(|t| parse_toml::<toml::Table>(&t, p))
+        };
+        let t = set(&[
+            "sync.deadline_ms=900",
+            "node.listen=127.0.0.1:7000",
+            "sync.deadline_ms_by_layer.fc1 = 2000",
+            "node.name=\"edge-9\"",
+        ])
+        .unwrap();
+        assert_eq!(t["sync"]["deadline_ms"].as_integer(), Some(900));
+        assert_eq!(t["node"]["listen"].as_str(), Some("127.0.0.1:7000"));
+        assert_eq!(t["node"]["name"].as_str(), Some("edge-9"));
+        assert_eq!(
+            t["sync"]["deadline_ms_by_layer"]["fc1"].as_integer(),
+            Some(2000)
+        );
+        for (bad, needle) in [
+            ("no-equals-sign", "KEY=VALUE"),
+            ("sync..x=1", "dotted key"),
+            ("sync.deadline_ms.x=1", "sync.deadline_ms is a value"),
+        ] {
+            let e = set(&[bad]).unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains(needle), "{e}");
+        }
+    }
 
     fn section(model: &str, dataset: &str, data_dir: Option<PathBuf>) -> ModelSection {
         ModelSection {

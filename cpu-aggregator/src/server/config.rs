@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use engine::staleness::StalenessFn;
-use gpu_worker::cluster_model::{read_toml, ConfigFileError, ModelSection};
+use gpu_worker::cluster_model::{read_toml_with_overrides, ConfigFileError, ModelSection};
 use protocol::Codec;
 use serde::{Deserialize, Serialize};
 use transport::config::{TransportSection, TransportSectionError};
@@ -128,7 +128,16 @@ pub enum AggregatorConfigError {
 impl AggregatorRunConfig {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Self, AggregatorConfigError> {
-        let config: AggregatorRunConfig = read_toml(path)?;
+        Self::load_with_overrides(path, &[])
+    }
+
+    /// [`Self::load`] with `--set KEY=VALUE` overrides (see
+    /// [`gpu_worker::cluster_model::read_toml_with_overrides`]).
+    pub fn load_with_overrides(
+        path: &Path,
+        overrides: &[String],
+    ) -> Result<Self, AggregatorConfigError> {
+        let config: AggregatorRunConfig = read_toml_with_overrides(path, overrides)?;
         config.state_config()?;
         config.transport.to_config()?;
         Ok(config)

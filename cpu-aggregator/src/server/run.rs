@@ -688,6 +688,14 @@ impl Shell {
         }
     }
 
+    /// The certificate name of the connection node `node` speaks on, for logs.
+    fn peer_name_of(&self, node: u64) -> String {
+        self.node_conn
+            .get(&node)
+            .and_then(|c| self.conns.get(c))
+            .map_or_else(|| "?".to_string(), |l| l.peer_name().to_string())
+    }
+
     /// Drains the state machine's outputs: persists first if anything was applied, then
     /// transmits.
     fn flush(&mut self) -> Result<(), AggregatorRunError> {
@@ -735,7 +743,8 @@ impl Shell {
                     );
                 }
                 Output::Event(AggEvent::BadInput { from, reason }) => {
-                    error!("[ERROR] node={from} bad input: {reason}");
+                    let peer = self.peer_name_of(*from);
+                    error!("[ERROR] peer={peer} node={from} bad input: {reason}");
                 }
                 Output::Event(AggEvent::DroppedStale {
                     from,

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 pub use transport::config::{TransportSection, TransportSectionError};
 
 pub use gpu_worker::cluster_model::ModelSection;
-use gpu_worker::cluster_model::{parse_toml, read_toml, ConfigFileError};
+use gpu_worker::cluster_model::{parse_toml, read_toml_with_overrides, ConfigFileError};
 
 /// Identity and addresses of one process.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -273,7 +273,13 @@ pub fn parse_codec(name: &str) -> Option<Codec> {
 impl NodeRunConfig {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Self, NodeConfigError> {
-        let config: NodeRunConfig = read_toml(path)?;
+        Self::load_with_overrides(path, &[])
+    }
+
+    /// [`Self::load`] with `--set KEY=VALUE` overrides (see
+    /// [`gpu_worker::cluster_model::read_toml_with_overrides`]).
+    pub fn load_with_overrides(path: &Path, overrides: &[String]) -> Result<Self, NodeConfigError> {
+        let config: NodeRunConfig = read_toml_with_overrides(path, overrides)?;
         config.validate()?;
         Ok(config)
     }
