@@ -480,6 +480,19 @@ fn an_authenticated_peer_sending_bad_frames_is_disconnected_and_training_goes_on
             }
             .to_bytes()
         };
+        // A peer whose certificate comes from another CA is refused (and logged).
+        let other_ca = dir.join("other-ca");
+        transport::create_cluster_certs(&other_ca, &["edge-1".to_string()]).unwrap();
+        let foreign = transport::QuicNode::bind(
+            any,
+            &transport::TlsIdentity::in_dir(&other_ca, "edge-1"),
+            &cfg,
+        )
+        .unwrap();
+        let refused = tokio::time::timeout(Duration::from_secs(10), foreign.connect(listen, "agg-1"))
+            .await
+            .expect("a refusal, not a hang");
+        assert!(refused.is_err(), "a foreign certificate is refused");
         let mut truncated = header(4096).to_vec();
         truncated.extend_from_slice(&[7u8; 100]);
         let oversized = header(u32::MAX).to_vec();
@@ -575,6 +588,10 @@ fn an_authenticated_peer_sending_bad_frames_is_disconnected_and_training_goes_on
     assert!(
         named.len() >= 4,
         "one [ERROR] naming the peer per bad frame and one for the NaN delta:\n{log}"
+    );
+    assert!(
+        log.contains("refused: handshake failed") && log.contains("UnknownIssuer"),
+        "the foreign certificate is logged:\n{log}"
     );
     assert!(
         log.contains("[ERROR] peer=intruder node=999 bad input"),
