@@ -30,15 +30,18 @@
 //! ## Streaming
 //!
 //! Each delta is read once ([`engine::fused_reduce`]): on arrival it is checked for
-//! finiteness while being added into the layer's accumulator; the delta that closes a round
-//! is folded in by the apply pass itself, which writes the new version into a second buffer
-//! and the broadcast payload at once. The model only changes when the whole pass was finite,
-//! so a NaN delta or an overflowing average never reaches it. `cargo bench -p
-//! cpu-aggregator` compares a round against `memcpy` of the same bytes.
+//! finiteness while being added into the layer's accumulator. Applying a round is one pass
+//! over the layer that also writes the broadcast payload; it runs in place when no value can
+//! overflow (tracked `max |θ|` and `max |acc|`), otherwise into a second buffer that replaces
+//! the layer only if every value is finite. So a NaN delta or an overflowing average never
+//! reaches the model. `cargo bench -p cpu-aggregator` compares a round against `memcpy` of
+//! the same bytes.
 
 use std::collections::{HashMap, VecDeque};
 
-use engine::fused_reduce::{accumulate_checked, apply_checked, FusedReduceError, RoundSum};
+use engine::fused_reduce::{
+    accumulate_checked, apply_checked, apply_in_place, in_place_is_safe, max_abs, FusedReduceError,
+};
 use protocol::{
     codec, shape_element_count, AppliedSeq, Codec, CodecError, DeltaAck, Encoded, ErrorReply,
     LayerPayload, LayerVersion, Message, Resync, ResyncReason,
@@ -239,6 +242,11 @@ struct LayerState {
     acc: Vec<f32>,
     /// `Σ wᵢ` over `pending`.
     acc_weight: f64,
+    /// `max |acc|` (infinite if the sum overflowed).
+    acc_max_abs: f32,
+    /// `max |values|`, kept up to date by every apply pass (decides whether the next apply
+    /// can run in place).
+    values_max_abs: f32,
     /// The buffer the next version is written into before it replaces `values` (so a
     /// failed pass never leaves a half-updated model).
     next_values: Vec<f32>,
@@ -260,7 +268,8 @@ impl LayerState {
         for (i, d) in self.pending.iter().enumerate() {
             // Every pending delta passed this very check on arrival.
             let rel = relative_weight(d.weight, self.pending[0].weight);
-            let _ = accumulate_checked(&mut self.acc, d.delta.values(), rel, i == 0);
+            self.acc_max_abs = accumulate_checked(&mut self.acc, d.delta.values(), rel, i == 0)
+                .unwrap_or(f32::INFINITY);
             self.acc_weight += d.weight;
         }
     }
@@ -340,6 +349,7 @@ impl AggregatorState {
             });
         }
         self.index.insert(layer.layer_id, self.layers.len());
+        let values_max_abs = max_abs(&layer.values);
         self.layers.push(LayerState {
             layer_id: layer.layer_id,
             name: layer.name,
@@ -349,6 +359,8 @@ impl AggregatorState {
             pending: Vec::new(),
             acc: Vec::new(),
             acc_weight: 0.0,
+            acc_max_abs: 0.0,
+            values_max_abs,
             next_values: Vec::new(),
             round_started_at: None,
         });
@@ -415,7 +427,7 @@ impl AggregatorState {
                 .round_started_at
                 .is_some_and(|t| t.saturating_add(self.config.round_timeout_ns) <= now);
             if due {
-                self.close_round(li, None);
+                self.close_round(li);
             }
         }
     }
@@ -534,27 +546,15 @@ impl AggregatorState {
             weight,
             delta: values,
         };
-        let layer = &self.layers[li];
-        let new_sender = !layer.pending.iter().any(|d| d.from == from);
-        let distinct_senders = layer
-            .pending
-            .iter()
-            .enumerate()
-            .filter(|(i, d)| !layer.pending[..*i].iter().any(|e| e.from == d.from))
-            .count()
-            + usize::from(new_sender);
-        if distinct_senders >= self.config.round_size {
-            // This delta closes the round: fold it in during the apply pass itself.
-            return self.close_round(li, Some(delta));
-        }
         let layer = &mut self.layers[li];
         let first = layer.pending.is_empty();
         layer.acc.resize(layer.values.len(), 0.0);
         let reference = layer.pending.first().map_or(weight, |d| d.weight);
         let rel = relative_weight(weight, reference);
         match accumulate_checked(&mut layer.acc, delta.delta.values(), rel, first) {
-            Ok(()) => {
+            Ok(acc_max_abs) => {
                 layer.acc_weight += weight;
+                layer.acc_max_abs = acc_max_abs;
                 layer.pending.push(delta);
                 layer.round_started_at.get_or_insert(now);
             }
@@ -563,8 +563,17 @@ impl AggregatorState {
                     layer.rebuild_accumulator();
                 }
                 self.recycle(delta.delta);
-                self.reject_fused(from, layer_id, e);
+                return self.reject_fused(from, layer_id, e);
             }
+        }
+        let distinct_senders = layer
+            .pending
+            .iter()
+            .enumerate()
+            .filter(|(i, d)| !layer.pending[..*i].iter().any(|e| e.from == d.from))
+            .count();
+        if distinct_senders >= self.config.round_size {
+            self.close_round(li);
         }
     }
 
@@ -598,7 +607,9 @@ impl AggregatorState {
     fn recycle(&mut self, values: PendingValues) {
         match values {
             PendingValues::Decoded(v) if self.spare.len() < MAX_SPARE_BUFFERS => self.spare.push(v),
-            PendingValues::RawLe(b) if self.spare_payloads.len() < MAX_SPARE_PAYLOADS => {
+            PendingValues::RawLe(b)
+                if b.capacity() > 0 && self.spare_payloads.len() < MAX_SPARE_PAYLOADS =>
+            {
                 self.spare_payloads.push(b)
             }
             _ => {}
@@ -775,6 +786,7 @@ impl AggregatorState {
                     index,
                 });
             }
+            current.values_max_abs = max_abs(&layer.values);
             current.values = layer.values;
             current.version = version;
             current.clear_round();
@@ -798,82 +810,84 @@ impl AggregatorState {
         true
     }
 
-    /// Closes the open round of layer index `li`, with `last` (the delta that completed it)
-    /// folded in during the same pass; a no-op when there is nothing to apply.
-    ///
-    /// One pass writes `θ' = θ + η/Σw · (acc + w_last·Δ_last)` into a second buffer and,
-    /// when the broadcast codec is raw f32, into the broadcast payload too; `θ'` replaces `θ`
-    /// only when every value is finite. A non-finite `last` is refused alone (the round stays
-    /// open); a non-finite result (overflow) drops the round unacknowledged.
-    fn close_round(&mut self, li: usize, last: Option<PendingDelta>) {
+    /// Applies the open round of layer index `li` (a no-op when it is empty):
+    /// `θ ← θ + η/Σw · acc`, in one pass that also writes the broadcast payload when the
+    /// broadcast codec is raw f32. In place when no value can overflow
+    /// ([`in_place_is_safe`]); otherwise into a second buffer that replaces `θ` only if every
+    /// value is finite — an overflowing round is dropped unacknowledged.
+    fn close_round(&mut self, li: usize) {
         let broadcast_raw = self.config.broadcast_codec.base() == Codec::RawF32;
         let eta = f64::from(self.config.outer_lr);
-        if self.layers[li].pending.is_empty() && last.is_none() {
+        if self.layers[li].pending.is_empty() {
             self.layers[li].round_started_at = None;
             return;
         }
-        let mut payload = if broadcast_raw {
-            self.spare_payloads.pop().unwrap_or_default()
-        } else {
-            Vec::new()
+        // The broadcast payload is written into the buffer of the round's last raw delta: it
+        // was just read, so it is still in cache (a recycled buffer would be fetched from
+        // memory only to be overwritten).
+        let last_raw = self.layers[li]
+            .pending
+            .iter_mut()
+            .rev()
+            .find_map(|d| match &mut d.delta {
+                PendingValues::RawLe(b) => Some(std::mem::take(b)),
+                PendingValues::Decoded(_) => None,
+            });
+        let mut payload = match (broadcast_raw, last_raw) {
+            (true, Some(b)) => b,
+            (true, None) => self.spare_payloads.pop().unwrap_or_default(),
+            (false, Some(b)) => {
+                self.recycle(PendingValues::RawLe(b));
+                Vec::new()
+            }
+            (false, None) => Vec::new(),
         };
         payload.clear();
         let layer = &mut self.layers[li];
         let layer_id = layer.layer_id;
-        let total = layer.acc_weight + last.as_ref().map_or(0.0, |d| d.weight);
         let reference = layer
             .pending
             .first()
-            .or(last.as_ref())
             .map_or(1.0, |d| reference_weight(d.weight));
         // θ' = θ + η·Σwᵢ Δᵢ / Σwᵢ = θ + (η·w_ref/Σwᵢ) · Σ (wᵢ/w_ref)·Δᵢ.
-        let scale = if total > 0.0 {
-            (eta * reference / total) as f32
+        let scale = if layer.acc_weight > 0.0 {
+            (eta * reference / layer.acc_weight) as f32
         } else {
             0.0
         };
-        let n = layer.values.len();
-        layer.next_values.resize(n, 0.0);
-        let sum = RoundSum {
-            acc: (!layer.pending.is_empty()).then_some(&layer.acc[..]),
-            last: last
-                .as_ref()
-                .map(|d| (d.delta.values(), (d.weight / reference) as f32)),
-        };
         let payload_out = broadcast_raw.then_some(&mut payload);
-        let result = apply_checked(
-            &layer.values,
-            sum,
-            scale,
-            &mut layer.next_values,
-            payload_out,
-        );
+        let result = if in_place_is_safe(layer.values_max_abs, layer.acc_max_abs, scale) {
+            apply_in_place(&mut layer.values, &layer.acc, scale, payload_out)
+        } else {
+            let n = layer.values.len();
+            layer.next_values.resize(n, 0.0);
+            apply_checked(
+                &layer.values,
+                &layer.acc,
+                scale,
+                &mut layer.next_values,
+                payload_out,
+            )
+            .inspect(|_| std::mem::swap(&mut layer.values, &mut layer.next_values))
+        };
         match result {
-            Ok(()) => {}
-            Err(FusedReduceError::NonFiniteDelta { index }) if last.is_some() => {
-                self.recycle(PendingValues::RawLe(payload));
-                let Some(d) = last else { return };
-                let from = d.from;
-                self.recycle(d.delta);
-                return self.reject(from, InputError::NonFinite { layer_id, index });
-            }
+            Ok(values_max_abs) => layer.values_max_abs = values_max_abs,
             Err(e) => {
                 let dropped = layer.clear_round();
                 let reason = format!(
                     "round of {} deltas not applied: {e}; senders will retransmit",
-                    dropped.len() + usize::from(last.is_some())
+                    dropped.len()
                 );
                 self.recycle(PendingValues::RawLe(payload));
-                for d in dropped.into_iter().chain(last) {
+                for d in dropped {
                     self.recycle(d.delta);
                 }
                 return self.internal_error(layer_id, reason);
             }
         }
-        std::mem::swap(&mut layer.values, &mut layer.next_values);
         layer.version += 1;
         let version = layer.version;
-        let applied: Vec<PendingDelta> = layer.clear_round().into_iter().chain(last).collect();
+        let applied: Vec<PendingDelta> = layer.clear_round();
         self.counters.rounds_applied += 1;
         self.counters.deltas_applied += applied.len() as u64;
         self.outputs.push_back(Output::Event(AggEvent::Applied {

@@ -4,14 +4,15 @@
 //!
 //! `θ ← θ + η · Σ wᵢΔᵢ / Σ wᵢ` is computed as
 //!
-//! 1. on each arriving delta (but the last of a round): `acc ← acc + wᵢΔᵢ`
-//!    ([`accumulate_checked`]; the round's first delta writes `acc ← w₀Δ₀`), checking in the
-//!    same pass that `Δᵢ` is finite;
-//! 2. when the round closes: `θ' ← θ + c · (acc + w_lastΔ_last)` with `c = η / Σ wᵢ`
-//!    ([`apply_checked`]), written to a *second* buffer (and optionally, in the same pass, to
-//!    a copy such as the broadcast payload), checking that the last delta and every result
-//!    are finite. The caller swaps `θ` and `θ'` only when the pass succeeded, so a bad delta
-//!    or an overflowing result never touches the model.
+//! 1. on each arriving delta: `acc ← acc + wᵢΔᵢ` ([`accumulate_checked`]; the round's first
+//!    delta writes `acc ← w₀Δ₀`), checking in the same pass that `Δᵢ` is finite and
+//!    measuring `max |acc|`;
+//! 2. when the round closes: `θ ← θ + c · acc` with `c = η / Σ wᵢ`, writing, in the same
+//!    pass, the new values' little-endian bytes (a message payload). When `max |θ| +
+//!    |c| · max |acc|` is far below `f32::MAX` no value can overflow, and [`apply_in_place`]
+//!    updates `θ` in place; otherwise [`apply_checked`] writes into a second buffer and
+//!    checks every result, and the caller swaps the buffers only if all are finite. Either
+//!    way a non-finite value never reaches the model.
 //!
 //! Each delta is read exactly once. A delta found non-finite by [`accumulate_checked`] has
 //! already been partly added; the caller rebuilds `acc` from the round's earlier deltas (a
@@ -21,9 +22,14 @@
 //! The result equals [`crate::staleness::aggregate`]'s up to float rounding (the weights are
 //! normalized once at the end instead of per delta); see the property test.
 
-/// Values processed per inner iteration; a multiple of every x86/ARM vector width, so the
-/// lane loops below compile to straight vector code.
-const LANES: usize = 16;
+/// Values processed per inner iteration: two SSE / one AVX register per per-lane
+/// accumulator, so a pass's accumulators stay in registers and the lane loops compile to
+/// straight vector code.
+const LANES: usize = 8;
+
+/// Values per block of the apply passes: 4 KiB, so a block just written is still in L1 when
+/// it is appended to the byte output.
+const BLOCK: usize = 1024;
 
 /// A NaN or infinity found by a fused pass, with its index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -34,8 +40,7 @@ pub enum FusedReduceError {
         /// First bad index.
         index: usize,
     },
-    /// The averaged result overflowed (or the model already held a non-finite value) at
-    /// `index`.
+    /// The averaged result overflowed at `index`.
     #[error("averaged value {index} is NaN or infinite (overflow)")]
     NonFiniteResult {
         /// First bad index.
@@ -72,33 +77,106 @@ fn first_bad(values: &[f32]) -> usize {
         .unwrap_or(values.len())
 }
 
-/// `acc ← w·Δ` (when `first`) or `acc ← acc + w·Δ`, and checks `Δ` is finite in the same
-/// pass. On `Err`, `acc` holds a partial sum: rebuild it from the earlier deltas.
+/// Per-lane accumulators of a pass: a finiteness probe (`Σ x·0` is 0 for finite `x` and NaN
+/// once any `x` was NaN or ±∞; branch-free, stays in vector registers) and `max |x|`.
+#[derive(Clone, Copy)]
+struct Lanes {
+    probe: [f32; LANES],
+    max_abs: [f32; LANES],
+}
+
+impl Lanes {
+    fn new() -> Self {
+        Lanes {
+            probe: [0.0; LANES],
+            max_abs: [0.0; LANES],
+        }
+    }
+    fn all_finite(&self) -> bool {
+        !self.probe.iter().any(|p| p.is_nan())
+    }
+    fn max_abs(&self) -> f32 {
+        self.max_abs.iter().fold(0.0f32, |m, &x| m.max(x))
+    }
+}
+
+/// `max(m, |x|)` written as the compare-and-select that maps to one vector `max`
+/// instruction (`f32::max`'s NaN rules do not).
+#[inline(always)]
+fn max_of(m: f32, x: f32) -> f32 {
+    let a = x.abs();
+    if a > m {
+        a
+    } else {
+        m
+    }
+}
+
+/// `max |x|` over `values` (infinite if any value is NaN or infinite).
+pub fn max_abs(values: &[f32]) -> f32 {
+    let mut lanes = Lanes::new();
+    let mut chunks = values.chunks_exact(LANES);
+    for c in &mut chunks {
+        for i in 0..LANES {
+            lanes.probe[i] += c[i] * 0.0;
+            lanes.max_abs[i] = max_of(lanes.max_abs[i], c[i]);
+        }
+    }
+    for &x in chunks.remainder() {
+        lanes.probe[0] += x * 0.0;
+        lanes.max_abs[0] = max_of(lanes.max_abs[0], x);
+    }
+    if lanes.all_finite() {
+        lanes.max_abs()
+    } else {
+        f32::INFINITY
+    }
+}
+
+/// `acc ← w·Δ` (when `first`) or `acc ← acc + w·Δ`, checking `Δ` is finite in the same pass.
+/// Returns `max |acc|` afterwards (infinite if the sum itself overflowed). On `Err`, `acc`
+/// holds a partial sum: rebuild it from the earlier deltas.
 pub fn accumulate_checked(
     acc: &mut [f32],
     delta: &[f32],
     weight: f32,
     first: bool,
-) -> Result<(), FusedReduceError> {
+) -> Result<f32, FusedReduceError> {
     check_len("delta", acc.len(), delta.len())?;
-    // `x · 0` is 0 for a finite `x` and NaN for NaN or ±∞: summing it per lane is a
-    // branch-free finiteness check that stays in vector registers.
-    let mut probe = [0.0f32; LANES];
+    let (delta_lanes, acc_lanes) = if first {
+        accumulate_lanes::<true>(acc, delta, weight)
+    } else {
+        accumulate_lanes::<false>(acc, delta, weight)
+    };
+    if !delta_lanes.all_finite() {
+        return Err(FusedReduceError::NonFiniteDelta {
+            index: first_bad(delta),
+        });
+    }
+    Ok(if acc_lanes.all_finite() {
+        acc_lanes.max_abs()
+    } else {
+        f32::INFINITY
+    })
+}
+
+/// The body of [`accumulate_checked`]; `FIRST` overwrites instead of adding.
+fn accumulate_lanes<const FIRST: bool>(
+    acc: &mut [f32],
+    delta: &[f32],
+    weight: f32,
+) -> (Lanes, Lanes) {
+    let (mut delta_lanes, mut acc_lanes) = (Lanes::new(), Lanes::new());
+    let step = |a: f32, d: f32| if FIRST { weight * d } else { a + weight * d };
     let mut a_chunks = acc.chunks_exact_mut(LANES);
     let mut d_chunks = delta.chunks_exact(LANES);
-    if first {
-        for (a, d) in (&mut a_chunks).zip(&mut d_chunks) {
-            for i in 0..LANES {
-                probe[i] += d[i] * 0.0;
-                a[i] = weight * d[i];
-            }
-        }
-    } else {
-        for (a, d) in (&mut a_chunks).zip(&mut d_chunks) {
-            for i in 0..LANES {
-                probe[i] += d[i] * 0.0;
-                a[i] += weight * d[i];
-            }
+    for (a, d) in (&mut a_chunks).zip(&mut d_chunks) {
+        for i in 0..LANES {
+            delta_lanes.probe[i] += d[i] * 0.0;
+            let v = step(a[i], d[i]);
+            acc_lanes.probe[i] += v * 0.0;
+            acc_lanes.max_abs[i] = max_of(acc_lanes.max_abs[i], v);
+            a[i] = v;
         }
     }
     for (a, &d) in a_chunks
@@ -106,147 +184,110 @@ pub fn accumulate_checked(
         .iter_mut()
         .zip(d_chunks.remainder())
     {
-        probe[0] += d * 0.0;
-        *a = if first { weight * d } else { *a + weight * d };
+        delta_lanes.probe[0] += d * 0.0;
+        let v = step(*a, d);
+        acc_lanes.probe[0] += v * 0.0;
+        acc_lanes.max_abs[0] = max_of(acc_lanes.max_abs[0], v);
+        *a = v;
     }
-    if probe.iter().any(|p| p.is_nan()) {
-        return Err(FusedReduceError::NonFiniteDelta {
-            index: first_bad(delta),
-        });
-    }
-    Ok(())
+    (delta_lanes, acc_lanes)
 }
 
-/// The pending sum a round closes with: an accumulator of the earlier deltas and/or the
-/// last delta with its weight.
-#[derive(Clone, Copy, Debug)]
-pub struct RoundSum<'a> {
-    /// `Σ wᵢΔᵢ` of the round's earlier deltas, if there were any.
-    pub acc: Option<&'a [f32]>,
-    /// The delta that closes the round and its weight (checked finite by the pass), if the
-    /// round closes on an arrival rather than a timeout.
-    pub last: Option<(&'a [f32], f32)>,
+/// Whether `θ + scale · acc` cannot overflow, given `max |θ|` and `max |acc|`: the bound is
+/// kept under half of `f32::MAX`, far beyond any rounding of the two operations.
+pub fn in_place_is_safe(theta_max_abs: f32, acc_max_abs: f32, scale: f32) -> bool {
+    let bound = f64::from(theta_max_abs) + f64::from(scale.abs()) * f64::from(acc_max_abs);
+    bound.is_finite() && bound <= f64::from(f32::MAX) / 2.0
 }
 
-/// `θ' ← θ + scale · (acc + w·Δ_last)` into `theta_out`, checking that `Δ_last` and every
-/// result value are finite; with `le_bytes_out`, the result's little-endian bytes are also
-/// appended to it (a message payload made in the same pass, no zero-fill). `θ` is only read.
-/// With neither `acc` nor `last`, `θ'` is a copy of `θ`.
+/// `θ ← θ + scale · acc` in place, appending the new values' little-endian bytes to
+/// `le_bytes_out` when given. Returns the new `max |θ|`. Call it only when
+/// [`in_place_is_safe`] holds (no value can become non-finite); otherwise use
+/// [`apply_checked`].
+pub fn apply_in_place(
+    theta: &mut [f32],
+    acc: &[f32],
+    scale: f32,
+    le_bytes_out: Option<&mut Vec<u8>>,
+) -> Result<f32, FusedReduceError> {
+    check_len("accumulator", theta.len(), acc.len())?;
+    let mut sink = le_bytes_out;
+    if let Some(bytes) = sink.as_deref_mut() {
+        bytes.reserve(theta.len() * 4);
+    }
+    let mut max = 0.0f32;
+    for (t, a) in theta.chunks_mut(BLOCK).zip(acc.chunks(BLOCK)) {
+        max = max.max(add_scaled_block(t, a, scale));
+        if let Some(bytes) = sink.as_deref_mut() {
+            // The block was just written: this read hits L1.
+            append_le_bytes(bytes, t);
+        }
+    }
+    Ok(max)
+}
+
+/// `t ← t + scale · a` over one block; returns `max |t|` (per-lane maxima in locals, so they
+/// live in registers).
+fn add_scaled_block(t: &mut [f32], a: &[f32], scale: f32) -> f32 {
+    let mut m = [0.0f32; LANES];
+    let whole = t.len() / LANES * LANES;
+    for (tc, ac) in t[..whole]
+        .chunks_exact_mut(LANES)
+        .zip(a[..whole].chunks_exact(LANES))
+    {
+        for i in 0..LANES {
+            let v = tc[i] + scale * ac[i];
+            m[i] = max_of(m[i], v);
+            tc[i] = v;
+        }
+    }
+    for i in whole..t.len() {
+        let v = t[i] + scale * a[i];
+        m[0] = max_of(m[0], v);
+        t[i] = v;
+    }
+    m.iter().fold(0.0f32, |x, &y| x.max(y))
+}
+
+/// `θ' ← θ + scale · acc` into `theta_out` (`θ` is only read), appending the new values'
+/// little-endian bytes to `le_bytes_out` when given, and checking every result is finite.
+/// Returns `max |θ'|`. On `Err` the caller discards `theta_out` (and the bytes).
 pub fn apply_checked(
     theta: &[f32],
-    sum: RoundSum<'_>,
+    acc: &[f32],
     scale: f32,
     theta_out: &mut [f32],
     le_bytes_out: Option<&mut Vec<u8>>,
-) -> Result<(), FusedReduceError> {
+) -> Result<f32, FusedReduceError> {
     let n = theta.len();
     check_len("output", n, theta_out.len())?;
-    if let Some(acc) = sum.acc {
-        check_len("accumulator", n, acc.len())?;
-    }
-    if let Some((d, _)) = sum.last {
-        check_len("delta", n, d.len())?;
-    }
-    // Absent inputs are stood in for by `theta` and compiled out by the const parameters.
-    let acc = sum.acc.unwrap_or(theta);
-    let (delta, weight) = sum.last.unwrap_or((theta, 0.0));
-    let mut probe = Probes::default();
+    check_len("accumulator", n, acc.len())?;
     let mut sink = le_bytes_out;
     if let Some(bytes) = sink.as_deref_mut() {
         bytes.reserve(n * 4);
     }
-    for start in (0..n).step_by(BLOCK) {
-        let r = start..(start + BLOCK).min(n);
-        let (t, a, d, o) = (
-            &theta[r.clone()],
-            &acc[r.clone()],
-            &delta[r.clone()],
-            &mut theta_out[r],
-        );
-        match (sum.acc.is_some(), sum.last.is_some()) {
-            (true, true) => apply_block::<true, true>(t, a, d, weight, scale, o, &mut probe),
-            (true, false) => apply_block::<true, false>(t, a, d, weight, scale, o, &mut probe),
-            (false, true) => apply_block::<false, true>(t, a, d, weight, scale, o, &mut probe),
-            (false, false) => apply_block::<false, false>(t, a, d, weight, scale, o, &mut probe),
+    let mut lanes = Lanes::new();
+    for ((t, a), o) in theta
+        .chunks(BLOCK)
+        .zip(acc.chunks(BLOCK))
+        .zip(theta_out.chunks_mut(BLOCK))
+    {
+        for (i, ((&t, &a), o)) in t.iter().zip(a).zip(o.iter_mut()).enumerate() {
+            let v = t + scale * a;
+            lanes.probe[i % LANES] += v * 0.0;
+            lanes.max_abs[i % LANES] = max_of(lanes.max_abs[i % LANES], v);
+            *o = v;
         }
         if let Some(bytes) = sink.as_deref_mut() {
-            // The block was just written: this read hits L1.
             append_le_bytes(bytes, o);
         }
     }
-    if probe.delta.is_nan() {
-        let d = sum.last.map_or(&[][..], |(d, _)| d);
-        return Err(FusedReduceError::NonFiniteDelta {
-            index: first_bad(d),
-        });
-    }
-    if probe.result.is_nan() {
+    if !lanes.all_finite() {
         return Err(FusedReduceError::NonFiniteResult {
             index: first_bad(theta_out),
         });
     }
-    Ok(())
-}
-
-/// Values per block of [`apply_checked`]: 4 KiB, so a block written to `theta_out` is still in
-/// L1 when it is appended to the byte output.
-const BLOCK: usize = 1024;
-
-/// Finiteness probes of a pass: sums of `x · 0`, NaN once any `x` was NaN or infinite.
-#[derive(Default)]
-struct Probes {
-    delta: f32,
-    result: f32,
-}
-
-/// One block of [`apply_checked`] for one combination of inputs (`acc`/`delta` are dummies
-/// when their const flag is off). All slices have the block's length.
-fn apply_block<const ACC: bool, const LAST: bool>(
-    theta: &[f32],
-    acc: &[f32],
-    delta: &[f32],
-    weight: f32,
-    scale: f32,
-    out: &mut [f32],
-    probes: &mut Probes,
-) {
-    let value = |t: f32, a: f32, d: f32| {
-        let mut s = 0.0;
-        if ACC {
-            s = a;
-        }
-        if LAST {
-            s += weight * d;
-        }
-        t + scale * s
-    };
-    let (mut delta_probe, mut result_probe) = ([0.0f32; LANES], [0.0f32; LANES]);
-    let whole = theta.len() / LANES * LANES;
-    for (((t, a), d), o) in theta[..whole]
-        .chunks_exact(LANES)
-        .zip(acc[..whole].chunks_exact(LANES))
-        .zip(delta[..whole].chunks_exact(LANES))
-        .zip(out[..whole].chunks_exact_mut(LANES))
-    {
-        for i in 0..LANES {
-            if LAST {
-                delta_probe[i] += d[i] * 0.0;
-            }
-            let v = value(t[i], a[i], d[i]);
-            result_probe[i] += v * 0.0;
-            o[i] = v;
-        }
-    }
-    for i in whole..theta.len() {
-        if LAST {
-            delta_probe[0] += delta[i] * 0.0;
-        }
-        let v = value(theta[i], acc[i], delta[i]);
-        result_probe[0] += v * 0.0;
-        out[i] = v;
-    }
-    probes.delta += delta_probe.iter().sum::<f32>();
-    probes.result += result_probe.iter().sum::<f32>();
+    Ok(lanes.max_abs())
 }
 
 /// Appends `values` as little-endian f32 bytes.
@@ -266,27 +307,39 @@ mod tests {
     use crate::staleness::{aggregate, DeltaContribution, StalenessFn};
     use proptest::prelude::*;
 
-    /// The streaming kernels over a whole round, as an aggregator drives them.
+    fn from_le(bytes: &[u8]) -> Vec<f32> {
+        bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    /// The streaming kernels over a whole round, as an aggregator drives them; both apply
+    /// paths must give the same bits.
     fn streamed(theta: &[f32], deltas: &[(Vec<f32>, f32)], eta: f32) -> Vec<f32> {
         let total: f64 = deltas.iter().map(|(_, w)| f64::from(*w)).sum();
         let scale = (f64::from(eta) / total) as f32;
         let mut acc = vec![0.0; theta.len()];
-        let (last, earlier) = deltas.split_last().expect("a delta");
-        for (i, (d, w)) in earlier.iter().enumerate() {
-            accumulate_checked(&mut acc, d, *w, i == 0).expect("finite");
+        let mut acc_max = 0.0;
+        for (i, (d, w)) in deltas.iter().enumerate() {
+            acc_max = accumulate_checked(&mut acc, d, *w, i == 0).expect("finite");
         }
+        assert_eq!(acc_max, max_abs(&acc));
+        assert!(in_place_is_safe(max_abs(theta), acc_max, scale));
         let mut out = vec![0.0; theta.len()];
         let mut bytes = Vec::new();
-        let sum = RoundSum {
-            acc: (!earlier.is_empty()).then_some(&acc[..]),
-            last: Some((&last.0, last.1)),
-        };
-        apply_checked(theta, sum, scale, &mut out, Some(&mut bytes)).expect("finite");
-        let copy: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        assert_eq!(out, copy);
+        let max_checked =
+            apply_checked(theta, &acc, scale, &mut out, Some(&mut bytes)).expect("finite");
+        assert_eq!(out, from_le(&bytes));
+        let mut in_place = theta.to_vec();
+        let mut bytes = Vec::new();
+        let max_in_place =
+            apply_in_place(&mut in_place, &acc, scale, Some(&mut bytes)).expect("lengths");
+        assert_eq!(in_place, from_le(&bytes));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&in_place), bits(&out));
+        assert_eq!(max_checked, max_in_place);
+        assert_eq!(max_checked, max_abs(&out));
         out
     }
 
@@ -299,8 +352,7 @@ mod tests {
     }
 
     #[test]
-    fn a_bad_delta_is_found_with_its_index_and_theta_is_untouched() {
-        let theta = vec![1.0; 40];
+    fn a_bad_delta_is_found_with_its_index() {
         let mut acc = vec![0.0; 40];
         let mut d = vec![0.5; 40];
         d[33] = f32::NAN;
@@ -310,31 +362,29 @@ mod tests {
         );
         d[33] = 0.5;
         d[38] = f32::INFINITY; // in the remainder after the 16-lane chunks
-        let mut out = vec![0.0; 40];
-        let sum = RoundSum {
-            acc: None,
-            last: Some((&d, 1.0)),
-        };
         assert_eq!(
-            apply_checked(&theta, sum, 1.0, &mut out, None),
+            accumulate_checked(&mut acc, &d, 1.0, false),
             Err(FusedReduceError::NonFiniteDelta { index: 38 })
         );
-        assert_eq!(theta, vec![1.0; 40]);
     }
 
     #[test]
-    fn an_overflowing_result_is_refused() {
+    fn an_overflow_is_refused_by_the_bound_and_by_the_checked_pass() {
         let theta = vec![f32::MAX; 20];
-        let d = vec![f32::MAX; 20];
+        let mut acc = vec![0.0; 20];
+        let acc_max = accumulate_checked(&mut acc, &[f32::MAX; 20], 1.0, true).unwrap();
+        assert_eq!(acc_max, f32::MAX);
+        assert!(!in_place_is_safe(max_abs(&theta), acc_max, 1.0));
         let mut out = vec![0.0; 20];
-        let sum = RoundSum {
-            acc: None,
-            last: Some((&d, 1.0)),
-        };
         assert_eq!(
-            apply_checked(&theta, sum, 1.0, &mut out, None),
+            apply_checked(&theta, &acc, 1.0, &mut out, None),
             Err(FusedReduceError::NonFiniteResult { index: 0 })
         );
+        // A sum of finite deltas that overflows reports an infinite maximum.
+        let again = accumulate_checked(&mut acc, &[f32::MAX; 20], 1.0, false).unwrap();
+        assert_eq!(again, f32::INFINITY);
+        assert!(!in_place_is_safe(0.0, again, 1e-30));
+        assert_eq!(max_abs(&[1.0, -3.0, f32::NAN]), f32::INFINITY);
     }
 
     #[test]
@@ -345,12 +395,15 @@ mod tests {
             Err(FusedReduceError::LengthMismatch { .. })
         ));
         assert_eq!(acc, [7.0; 3]);
+        let mut theta = vec![1.0; 3];
+        assert!(apply_in_place(&mut theta, &[1.0; 4], 1.0, None).is_err());
+        assert_eq!(theta, [1.0; 3]);
     }
 
     proptest! {
         #[test]
         fn streaming_equals_aggregate_up_to_rounding(
-            len in 1usize..70,
+            len in 1usize..2100,
             seed in any::<u64>(),
             n in 1usize..6,
             eta in 0.1f32..2.0,
