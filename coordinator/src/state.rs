@@ -614,6 +614,7 @@ impl CoordinatorState {
                 epoch: self.epoch,
                 owners: self.owners(),
                 aggregators: self.published_addrs.clone(),
+                layer_versions: self.layer_versions(),
             };
             let targets: Vec<ConnId> = self
                 .members

@@ -304,6 +304,12 @@ pub struct LayerMap {
     pub owners: Vec<(u32, u64)>,
     /// Where each live aggregator listens.
     pub aggregators: Vec<AggregatorAddr>,
+    /// The newest global version the coordinator holds of each layer, as
+    /// `(layer_id, version)`. An aggregator newly given a layer with a version above 0 must
+    /// not serve it until it has that version (the coordinator hands it over as a
+    /// [`LayerVersion`]); deltas applied to anything older would be overwritten by the
+    /// hand-over.
+    pub layer_versions: Vec<(u32, u64)>,
 }
 
 /// A node asks an aggregator for the layers it owns: the aggregator adds it to its

@@ -197,13 +197,16 @@ pub fn arb_message() -> impl Strategy<Value = Message> {
                     })
                 }
             ),
-        (any::<u64>(), arb_pairs(), arb_aggregators()).prop_map(|(epoch, owners, aggregators)| {
-            Message::LayerMap(LayerMap {
-                epoch,
-                owners,
-                aggregators,
-            })
-        }),
+        (any::<u64>(), arb_pairs(), arb_aggregators(), arb_pairs()).prop_map(
+            |(epoch, owners, aggregators, versions)| {
+                Message::LayerMap(LayerMap {
+                    epoch,
+                    owners,
+                    aggregators,
+                    layer_versions: versions,
+                })
+            }
+        ),
         any::<u64>().prop_map(|node_id| Message::Subscribe(Subscribe { node_id })),
         arb_stats().prop_map(Message::Stats),
         (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(node_id, lease_ms, now_ms)| {
@@ -320,6 +323,7 @@ pub fn sample_messages() -> Vec<Message> {
                     addr: "[::1]:7002".into(),
                 },
             ],
+            layer_versions: vec![(0, 12), (1, 0)],
         }),
         Message::Subscribe(Subscribe { node_id: 42 }),
         Message::Stats(NodeStats {

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use protocol::{
-    encode_frame, Capabilities, ErrorCode, ErrorReply, Heartbeat, Join, Leave, Message, NodeStats,
-    Role,
+    encode_frame, Capabilities, ErrorCode, ErrorReply, Heartbeat, Join, LayerVersion, Leave,
+    Message, NodeStats, Role,
 };
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -123,6 +123,12 @@ struct Shell {
     /// gets the latest version, not a backlog).
     version_slots: HashMap<(u64, u32), Option<bytes::Bytes>>,
     inbound_tx: mpsc::UnboundedSender<Inbound>,
+    /// Layers the map gave us whose newest version is elsewhere: not served (deltas get
+    /// `NotOwner`, their senders retry) until the coordinator's hand-over of at least this
+    /// version arrives. Value: (version, since when we wait, when we last logged it).
+    awaiting_handover: HashMap<u32, (u64, Instant, Instant)>,
+    /// Hand-overs that arrived before the map that gives us their layer.
+    early_handovers: HashMap<u32, LayerVersion>,
 }
 
 /// Runs an aggregator until `shutdown` is cancelled.
@@ -206,6 +212,8 @@ pub async fn run_aggregator(
         send_timeout: Duration::from_secs(10),
         version_slots: HashMap::new(),
         inbound_tx: tx.clone(),
+        awaiting_handover: HashMap::new(),
+        early_handovers: HashMap::new(),
     };
     let mut stats_tick = tokio::time::interval(Duration::from_millis(500));
     let mut fatal = None;
@@ -246,7 +254,10 @@ pub async fn run_aggregator(
                 shell.state.handle_timeout(now);
                 shell.flush()?;
             }
-            _ = stats_tick.tick() => shell.report_stats(),
+            _ = stats_tick.tick() => {
+                shell.report_waiting();
+                shell.report_stats();
+            }
         }
     }
     shell.flush()?;
@@ -535,36 +546,10 @@ impl Shell {
                     "[JOIN] aggregator={} admitted (map epoch {})",
                     self.name, ack.map_epoch
                 );
-                self.apply_map(ack.map_epoch, &ack.layer_owners);
+                self.apply_map(ack.map_epoch, &ack.layer_owners, &ack.layer_versions);
             }
-            Message::LayerMap(map) => self.apply_map(map.epoch, &map.owners),
-            Message::LayerVersion(v) => {
-                // A handover: the newest version the coordinator saw of a layer we now own.
-                match v.decode_values() {
-                    Ok(values) => {
-                        let layer = OwnedLayer {
-                            layer_id: v.layer_id,
-                            name: v.layer_name.clone(),
-                            shape: v.shape.clone(),
-                            values,
-                        };
-                        match self.state.adopt_layer(layer, v.version, &v.applied_seqs) {
-                            Ok(true) => info!(
-                                "[MAP] layer={} adopted at version {}",
-                                v.layer_name, v.version
-                            ),
-                            Ok(false) => {}
-                            Err(e) => {
-                                error!("[ERROR] handover of layer {} refused: {e}", v.layer_name)
-                            }
-                        }
-                    }
-                    Err(e) => error!(
-                        "[ERROR] handover of layer {} does not decode: {e}",
-                        v.layer_name
-                    ),
-                }
-            }
+            Message::LayerMap(map) => self.apply_map(map.epoch, &map.owners, &map.layer_versions),
+            Message::LayerVersion(v) => self.take_handover(v),
             Message::Error(e) if e.code == ErrorCode::Unauthorized => {
                 return Err(AggregatorRunError::Refused(e.text));
             }
@@ -575,7 +560,64 @@ impl Shell {
         Ok(())
     }
 
-    fn apply_map(&mut self, epoch: u64, owners: &[(u32, u64)]) {
+    /// A hand-over: the newest version the coordinator saw of a layer we now own. One that
+    /// arrives before the map that gives us the layer (they travel on separate streams) is
+    /// kept until that map comes.
+    fn take_handover(&mut self, v: LayerVersion) {
+        let awaited = self.awaiting_handover.get(&v.layer_id).map(|w| w.0);
+        if awaited.is_none() && self.state.layer(v.layer_id).is_none() {
+            debug!("hand-over of layer {} before its map; kept", v.layer_name);
+            let newer = self
+                .early_handovers
+                .get(&v.layer_id)
+                .is_none_or(|kept| kept.version < v.version);
+            if newer {
+                self.early_handovers.insert(v.layer_id, v);
+            }
+            return;
+        }
+        if let Some(want) = awaited.filter(|&want| v.version < want) {
+            debug!(
+                "hand-over of layer {} at version {} is older than the {want} awaited",
+                v.layer_name, v.version
+            );
+            return;
+        }
+        let values = match v.decode_values() {
+            Ok(values) => values,
+            Err(e) => {
+                return error!(
+                    "[ERROR] handover of layer {} does not decode: {e}",
+                    v.layer_name
+                )
+            }
+        };
+        let layer = OwnedLayer {
+            layer_id: v.layer_id,
+            name: v.layer_name.clone(),
+            shape: v.shape.clone(),
+            values,
+        };
+        match self.state.adopt_layer(layer, v.version, &v.applied_seqs) {
+            Ok(adopted) => {
+                self.awaiting_handover.remove(&v.layer_id);
+                if adopted {
+                    info!(
+                        "[MAP] layer={} adopted at version {}",
+                        v.layer_name, v.version
+                    );
+                }
+            }
+            Err(e) => error!("[ERROR] handover of layer {} refused: {e}", v.layer_name),
+        }
+    }
+
+    /// Follows a new layer map: releases the layers that moved away; for each layer given to
+    /// us, serves it at once if we hold it at (at least) the coordinator's newest version or
+    /// it has never been updated (initial weights), and otherwise waits for the
+    /// coordinator's hand-over before serving it, so that no delta is applied to a version
+    /// that the hand-over would then replace.
+    fn apply_map(&mut self, epoch: u64, owners: &[(u32, u64)], versions: &[(u32, u64)]) {
         if epoch < self.map_epoch {
             return;
         }
@@ -585,16 +627,52 @@ impl Shell {
             .filter(|(_, owner)| *owner == self.id)
             .map(|(layer, _)| *layer)
             .collect();
+        let newest: HashMap<u32, u64> = versions.iter().copied().collect();
+        self.awaiting_handover
+            .retain(|layer, _| mine.contains(layer));
         let owned: Vec<u32> = self.state.layer_ids().collect();
         for layer_id in owned {
             if !mine.contains(&layer_id) && self.state.release_layer(layer_id) {
                 info!("[MAP] layer {layer_id} moved away (epoch {epoch})");
             }
         }
+        let now = Instant::now();
+        for &layer_id in &mine {
+            let want = newest.get(&layer_id).copied().unwrap_or(0);
+            let have = self.state.layer(layer_id).map(|l| l.version);
+            if want == 0 || have.is_some_and(|v| v >= want) {
+                continue;
+            }
+            if have.is_some() {
+                // A stale copy (e.g. from our shard file while another aggregator moved the
+                // layer on): stop serving it until the newer version is handed over.
+                self.state.release_layer(layer_id);
+            }
+            if self
+                .awaiting_handover
+                .insert(layer_id, (want, now, now))
+                .is_none()
+            {
+                info!(
+                    "[MAP] layer {layer_id}: waiting for the hand-over of version {want} before serving it"
+                );
+            }
+        }
+        let early: Vec<LayerVersion> = self
+            .awaiting_handover
+            .keys()
+            .filter_map(|id| self.early_handovers.remove(id))
+            .collect();
+        for v in early {
+            self.take_handover(v);
+        }
+        self.early_handovers.retain(|id, _| mine.contains(id));
         let mut missing: Vec<u32> = mine
             .iter()
             .copied()
-            .filter(|&id| self.state.layer(id).is_none())
+            .filter(|&id| {
+                self.state.layer(id).is_none() && !self.awaiting_handover.contains_key(&id)
+            })
             .collect();
         missing.sort_unstable();
         if !missing.is_empty() && !self.initial.is_built() {
@@ -822,6 +900,20 @@ impl Shell {
         let bytes = shard_file::encode(&self.state.snapshot(), &self.ledger);
         shard_file::write_atomic(&self.shard_path, &bytes)?;
         Ok(())
+    }
+
+    /// Logs layers still waiting for their hand-over (every 10 s each).
+    fn report_waiting(&mut self) {
+        let now = Instant::now();
+        for (layer_id, (want, since, logged)) in self.awaiting_handover.iter_mut() {
+            if now.duration_since(*logged) >= Duration::from_secs(10) {
+                *logged = now;
+                warn!(
+                    "[WARN] layer {layer_id}: still waiting for the hand-over of version {want} after {:.0} s (the coordinator resends it when we re-join)",
+                    now.duration_since(*since).as_secs_f64()
+                );
+            }
+        }
     }
 
     fn report_stats(&self) {

@@ -334,6 +334,14 @@ impl SyncDriver {
                 "[WARN] layer={} delta refused by its aggregator: {reason:?}; re-syncing",
                 self.layer_name(layer_id)
             ),
+            // `NotOwner` is the normal answer while a layer is being handed over between
+            // aggregators (the delta is retried or cached); anything else is an error.
+            ClientEvent::PeerError { error } if error.code == protocol::ErrorCode::NotOwner => {
+                warn!(
+                    "[WARN] aggregator replied NotOwner: {}; will retry",
+                    error.text
+                )
+            }
             ClientEvent::PeerError { error } => {
                 error!(
                     "[ERROR] aggregator replied {:?}: {}",

@@ -441,6 +441,7 @@ impl Ctx {
                                 epoch: ack.map_epoch,
                                 owners: ack.layer_owners.clone(),
                                 aggregators: ack.aggregators.clone(),
+                                layer_versions: ack.layer_versions.clone(),
                             },
                         )));
                         self.links().coordinator = Some(c.clone());
