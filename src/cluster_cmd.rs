@@ -333,9 +333,14 @@ pub struct ClusterSummary {
     pub duplicates_rejected: u64,
     /// Weak-sync events, all trainers.
     pub weak_sync_events: u64,
-    /// `(node, layer, seq)` applied more than once according to the aggregators' ledgers
-    /// (must be 0).
+    /// `(node, layer, seq)` applied more than once according to the ledgers of the
+    /// aggregators that are part of the final system (must be 0).
     pub ledger_duplicates: u64,
+    /// Deltas that an aggregator lost for good (`[[chaos]] restart = false`) had applied in
+    /// versions the coordinator never received, and that their senders (never acknowledged)
+    /// retransmitted to the layer's new owner, which applied them: applied once in the
+    /// surviving history, so not duplicates.
+    pub reapplied_after_loss: u64,
     /// Datagrams the relays dropped.
     pub relay_dropped_datagrams: u64,
     /// Wall seconds.
@@ -858,16 +863,26 @@ async fn run_cluster(
         r.shutdown().await;
     }
 
-    // The global model = the aggregators' persisted layers; where two shards hold a layer (it
-    // moved when an aggregator was lost), the newer version wins.
+    // The global model = the persisted layers of the aggregators that are part of the final
+    // system (one lost for good left a branch of history that was handed over only up to the
+    // coordinator's checkpoint, so its shard is not used); where two shards hold a layer, the
+    // newer version wins.
     let mut eval_model = task.build_model(model.seed);
     let layout = sync_layout(&eval_model);
     let mut ledger = Vec::new();
+    let mut lost_ledger = Vec::new();
     let mut nodes = Vec::new();
     let mut layer_versions: HashMap<u32, u64> = HashMap::new();
     for p in &aggregators {
         let dir = out.join(&p.name).join("data");
-        if let Some((snapshot, entries)) = shard_file::read(&dir.join("shard.bin"))? {
+        let lost = exits
+            .get(&p.name)
+            .is_some_and(|e| e.contains("not restarted"));
+        if lost {
+            if let Some((_, entries)) = shard_file::read(&dir.join("shard.bin"))? {
+                lost_ledger.extend(entries);
+            }
+        } else if let Some((snapshot, entries)) = shard_file::read(&dir.join("shard.bin"))? {
             let state = AggregatorState::restore(&snapshot, AggregatorConfig::default())
                 .map_err(|e| anyhow::anyhow!("{}: {e}", p.name))?;
             for id in state.layer_ids() {
@@ -904,6 +919,10 @@ async fn run_cluster(
     let eval = task.evaluate(&mut eval_model, None);
     ledger.sort();
     let ledger_duplicates = ledger.windows(2).filter(|w| w[0] == w[1]).count() as u64;
+    let reapplied_after_loss = lost_ledger
+        .iter()
+        .filter(|e| ledger.binary_search(e).is_ok())
+        .count() as u64;
     for p in &trainers {
         let stats: serde_json::Value =
             std::fs::read_to_string(out.join(&p.name).join("data/stats.json"))
@@ -935,6 +954,7 @@ async fn run_cluster(
         weak_sync_events: nodes.iter().map(|n| n.weak_sync_events).sum(),
         nodes,
         ledger_duplicates,
+        reapplied_after_loss,
         relay_dropped_datagrams: relay_dropped,
         wall_seconds: started.elapsed().as_secs_f64(),
     };
@@ -993,6 +1013,12 @@ fn print_table(s: &ClusterSummary) {
         "deltas applied {} · duplicates rejected {} · weak-sync events {} · ledger duplicates {} · relay drops {}",
         s.deltas_applied, s.duplicates_rejected, s.weak_sync_events, s.ledger_duplicates, s.relay_dropped_datagrams
     );
+    if s.reapplied_after_loss > 0 {
+        println!(
+            "{} deltas applied by an aggregator lost for good, in versions the coordinator never got, were retransmitted and applied by the new owner",
+            s.reapplied_after_loss
+        );
+    }
 }
 
 #[cfg(test)]
