@@ -337,12 +337,7 @@ fn coordinator_refuses_foreign_certificates_and_survives_garbage_frames() {
         .unwrap();
     let _guard = Killed(child);
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    client_runtime().block_on(async {
         let cfg = transport::TransportConfig::default();
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let good = transport::QuicNode::bind(any, &transport::TlsIdentity::in_dir(&certs, "edge-1"), &cfg).unwrap();
@@ -394,6 +389,15 @@ fn coordinator_refuses_foreign_certificates_and_survives_garbage_frames() {
     let log = std::fs::read_to_string(&log_path).unwrap();
     assert!(log.contains("refused"), "{log}");
     assert!(log.contains("edge-1"), "the log names the peer: {log}");
+}
+
+/// A small tokio runtime for a test acting as a QUIC peer of the cluster.
+fn client_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 /// Waits up to `limit` for `path` to exist and contain `needle`; returns its text.
@@ -469,12 +473,7 @@ fn an_authenticated_peer_sending_bad_frames_is_disconnected_and_training_goes_on
     let agg_log = out.join("agg-1/log.txt");
     wait_for_text(&agg_log, "[JOIN]", Duration::from_secs(60));
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    client_runtime().block_on(async {
         let cfg = transport::TransportConfig::default();
         let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let identity = transport::TlsIdentity::in_dir(&out.join("certs"), "intruder");
