@@ -111,6 +111,15 @@ pub fn log_event(event: &CoordEvent, counts: &mut EventCounts) {
             counts.bad_input += 1;
             warn!("[WARN] peer={peer} bad request: {reason}");
         }
+        CoordEvent::HandedOver {
+            layer_id,
+            version,
+            to,
+        } => info!("[MAP] layer={layer_id} version={version} handed over to aggregator id={to}"),
+        CoordEvent::ReleaseTimedOut { layer_id, from } => warn!(
+            "[WARN] layer={layer_id}: aggregator id={from} did not release it within {} ms; handing over the checkpoint",
+            crate::state::RELEASE_TIMEOUT_MS
+        ),
         CoordEvent::CheckpointAdvanced {
             layer_id,
             version,

@@ -123,6 +123,24 @@ pub enum CoordEvent {
         /// Aggregator that produced it.
         aggregator_id: u64,
     },
+    /// The checkpoint of a layer was sent to its new owner (after the old owner's final
+    /// version arrived, or at once when the old owner is gone).
+    HandedOver {
+        /// The layer.
+        layer_id: u32,
+        /// The version handed over.
+        version: u64,
+        /// The new owner.
+        to: u64,
+    },
+    /// The old owner of a moving layer did not send its final version in time; the
+    /// checkpoint was handed over instead.
+    ReleaseTimedOut {
+        /// The layer.
+        layer_id: u32,
+        /// The old owner.
+        from: u64,
+    },
     /// A peer sent an error reply (logged, never answered: no error ping-pong).
     PeerError {
         /// The connection.

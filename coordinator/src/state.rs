@@ -99,9 +99,20 @@ pub struct CoordinatorState {
     pub(crate) checkpoint: BTreeMap<u32, LayerVersion>,
     /// Latest stats per node id (kept after the node leaves).
     pub(crate) stats: BTreeMap<u64, NodeStats>,
+    /// Layers moving away from a live aggregator: their hand-over to the new owner waits for
+    /// the old owner's final version (sent when it releases the layer), so that what it
+    /// applied and acknowledged after our checkpoint is not lost. Layer → (old owner, since
+    /// when, in ms).
+    pub(crate) pending_release: BTreeMap<u32, (u64, u64)>,
+    /// The shell's clock at the last input (pending releases are stamped with it).
+    now_ms: u64,
     outputs: VecDeque<Output>,
     next_node_id: u64,
 }
+
+/// How long a hand-over waits for the old owner's final version before the checkpoint is
+/// handed over instead (the old owner may be partitioned away).
+pub const RELEASE_TIMEOUT_MS: u64 = 2_000;
 
 /// Compares two secrets in time independent of where they differ.
 fn credentials_match(given: &str, expected: &str) -> bool {
@@ -129,6 +140,8 @@ impl CoordinatorState {
             published_addrs: Vec::new(),
             checkpoint: BTreeMap::new(),
             stats: BTreeMap::new(),
+            pending_release: BTreeMap::new(),
+            now_ms: 0,
             outputs: VecDeque::new(),
             next_node_id: 1,
         }
@@ -184,6 +197,14 @@ impl CoordinatorState {
             .collect()
     }
 
+    /// Which aggregator produced each cached version (layers never updated are absent).
+    pub fn layer_producers(&self) -> Vec<(u32, u64)> {
+        self.checkpoint
+            .iter()
+            .map(|(&id, v)| (id, v.aggregator_id))
+            .collect()
+    }
+
     /// The cached newest [`LayerVersion`] of a layer.
     pub fn cached_version(&self, layer_id: u32) -> Option<&LayerVersion> {
         self.checkpoint.get(&layer_id)
@@ -219,13 +240,33 @@ impl CoordinatorState {
         self.outputs.pop_front()
     }
 
-    /// When [`CoordinatorState::handle_timeout`] must next be called: the earliest lease end.
+    /// When [`CoordinatorState::handle_timeout`] must next be called: the earliest lease end
+    /// or release deadline.
     pub fn poll_timeout(&self) -> Option<u64> {
-        self.members.values().map(|m| m.lease_expires_at_ms).min()
+        let leases = self.members.values().map(|m| m.lease_expires_at_ms);
+        let releases = self
+            .pending_release
+            .values()
+            .map(|&(_, since)| since.saturating_add(RELEASE_TIMEOUT_MS));
+        leases.chain(releases).min()
     }
 
-    /// Remove every member whose lease ended at or before `now_ms`.
+    /// Removes every member whose lease ended at or before `now_ms`, and hands over the
+    /// checkpoint of every layer whose old owner did not release it in time.
     pub fn handle_timeout(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+        let overdue: Vec<u32> = self
+            .pending_release
+            .iter()
+            .filter(|(_, &(_, since))| since.saturating_add(RELEASE_TIMEOUT_MS) <= now_ms)
+            .map(|(&layer, _)| layer)
+            .collect();
+        for layer_id in overdue {
+            if let Some((from, _)) = self.pending_release.remove(&layer_id) {
+                self.event(CoordEvent::ReleaseTimedOut { layer_id, from });
+                self.hand_over(layer_id);
+            }
+        }
         let expired: Vec<u64> = self
             .members
             .values()
@@ -269,6 +310,7 @@ impl CoordinatorState {
     /// Handle one message received on `conn` from the peer whose certificate name is
     /// `peer_name`.
     pub fn handle_message(&mut self, now_ms: u64, conn: ConnId, peer_name: &str, msg: Message) {
+        self.now_ms = self.now_ms.max(now_ms);
         let kind = msg.kind();
         let result = match msg {
             Message::Join(join) => {
@@ -390,6 +432,7 @@ impl CoordinatorState {
                 layer_versions: self.layer_versions(),
                 map_epoch: self.epoch,
                 aggregators: self.aggregator_addrs(),
+                layer_producers: self.layer_producers(),
             }),
         );
         let mut handover: BTreeSet<u32> = BTreeSet::new();
@@ -491,6 +534,16 @@ impl CoordinatorState {
         if let Some(index) = values.iter().position(|v| !v.is_finite()) {
             return Err(InputError::NonFiniteValue { layer_id, index });
         }
+        // Only the owner's versions advance the checkpoint (a late broadcast from a former
+        // owner belongs to a branch of history that was handed over without it), except the
+        // final version of a layer being released, which is then handed to the new owner.
+        let releasing = self
+            .pending_release
+            .get(&layer_id)
+            .is_some_and(|&(from, _)| from == aggregator_id);
+        if self.owners.get(&layer_id) != Some(&aggregator_id) && !releasing {
+            return Ok(());
+        }
         let newer = match self.checkpoint.get(&layer_id) {
             Some(cached) => version.version > cached.version,
             None => true,
@@ -502,6 +555,10 @@ impl CoordinatorState {
                 aggregator_id,
             });
             self.checkpoint.insert(layer_id, version);
+        }
+        if releasing {
+            self.pending_release.remove(&layer_id);
+            self.hand_over(layer_id);
         }
         Ok(())
     }
@@ -595,6 +652,22 @@ impl CoordinatorState {
         let changed = new_map.is_some();
         let moved = new_map.unwrap_or_default();
         handover.extend(moved.iter().filter(|m| m.to.is_some()).map(|m| m.layer_id));
+        // A layer moving away from a live aggregator waits for that aggregator's final
+        // version; one moving back to the aggregator it is waiting on needs no hand-over.
+        for m in &moved {
+            let live_from = m
+                .from
+                .filter(|from| self.members.get(from).is_some_and(|a| a.conn.is_some()));
+            match (live_from, m.to) {
+                (Some(from), Some(to)) if from != to => {
+                    self.pending_release.insert(m.layer_id, (from, self.now_ms));
+                }
+                _ => {
+                    self.pending_release.remove(&m.layer_id);
+                }
+            }
+        }
+        handover.retain(|layer| !self.pending_release.contains_key(layer));
         let mut handed_over = Vec::new();
         let mut sends = Vec::new();
         for layer_id in handover {
@@ -615,6 +688,7 @@ impl CoordinatorState {
                 owners: self.owners(),
                 aggregators: self.published_addrs.clone(),
                 layer_versions: self.layer_versions(),
+                layer_producers: self.layer_producers(),
             };
             let targets: Vec<ConnId> = self
                 .members
@@ -633,6 +707,27 @@ impl CoordinatorState {
             });
         }
         for (conn, msg) in sends {
+            self.send(conn, msg);
+        }
+    }
+
+    /// Sends the checkpoint of `layer_id` to its current owner (if there is one to send).
+    fn hand_over(&mut self, layer_id: u32) {
+        let (Some(&owner), Some(cached)) =
+            (self.owners.get(&layer_id), self.checkpoint.get(&layer_id))
+        else {
+            return;
+        };
+        let Some(conn) = self.members.get(&owner).and_then(|m| m.conn) else {
+            return;
+        };
+        if cached.version > 0 {
+            let msg = Message::LayerVersion(cached.clone());
+            self.event(CoordEvent::HandedOver {
+                layer_id,
+                version: cached.version,
+                to: owner,
+            });
             self.send(conn, msg);
         }
     }

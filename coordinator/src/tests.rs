@@ -249,28 +249,78 @@ fn second_aggregator_takes_its_layers_with_their_checkpoint() {
         !moved.is_empty() && moved.len() < N_LAYERS as usize,
         "{moved:?}"
     );
-    let handed: Vec<(u32, u64)> = sent_to(&out, 11)
-        .into_iter()
-        .filter_map(|m| match m {
-            Message::LayerVersion(v) => Some((v.layer_id, v.version)),
-            _ => None,
-        })
-        .collect();
-    let want: Vec<(u32, u64)> = moved
-        .iter()
-        .filter(|&&l| l > 0)
-        .map(|&l| (l, u64::from(l)))
-        .collect();
-    assert_eq!(handed, want);
-    // The old owner and the worker learn the new map; agg-11 has it in its JoinAck.
+    // Two-phase hand-over: agg-10 is alive, so nothing is handed over yet; the coordinator
+    // waits for agg-10's final version of each moved layer.
+    let handed = |out: &[Output]| -> Vec<(u32, u64)> {
+        sent_to(out, 11)
+            .into_iter()
+            .filter_map(|m| match m {
+                Message::LayerVersion(v) => Some((v.layer_id, v.version)),
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(handed(&out), vec![]);
+    // The old owner and the worker learn the new map; agg-11 has it in its JoinAck, with the
+    // versions to wait for and who produced them.
     for conn in [1, 10] {
         assert!(sent_to(&out, conn)
             .iter()
             .any(|m| matches!(m, Message::LayerMap(map) if map.epoch == 2)));
     }
+    let ack = sent_to(&out, 11)
+        .into_iter()
+        .find_map(|m| match m {
+            Message::JoinAck(a) => Some(a),
+            _ => None,
+        })
+        .expect("a JoinAck");
+    assert!(!ack.layer_producers.is_empty());
+    assert!(ack.layer_producers.iter().all(|&(_, p)| p == 10));
     assert!(!sent_to(&out, 11)
         .iter()
         .any(|m| matches!(m, Message::LayerMap(_))));
+    let moving: Vec<u32> = moved.iter().copied().filter(|&l| l > 0).collect();
+    assert!(!moving.is_empty(), "{moved:?}");
+    // agg-10 releases the first moved layer with its final version (one more than the
+    // checkpoint): it is handed to agg-11 at once.
+    let first = moving[0];
+    let last = u64::from(first) + 1;
+    s.handle_message(
+        3,
+        10,
+        "agg-10",
+        Message::LayerVersion(version(10, first, last, 2.0)),
+    );
+    let out = drain(&mut s);
+    assert_eq!(handed(&out), vec![(first, last)]);
+    assert_eq!(s.cached_version(first).unwrap().version, last);
+    // Another final version of the same layer from agg-10 comes too late: the layer belongs
+    // to agg-11 now, so it neither advances the checkpoint nor is handed over.
+    s.handle_message(
+        4,
+        10,
+        "agg-10",
+        Message::LayerVersion(version(10, first, last + 5, 3.0)),
+    );
+    let out = drain(&mut s);
+    assert_eq!(handed(&out), vec![]);
+    assert_eq!(s.cached_version(first).unwrap().version, last);
+    // The other moved layers never get a final version: after the release timeout, their
+    // checkpoints are handed over instead.
+    assert_eq!(
+        s.poll_timeout(),
+        Some(2 + crate::state::RELEASE_TIMEOUT_MS).min(s.poll_timeout())
+    );
+    s.handle_timeout(2 + crate::state::RELEASE_TIMEOUT_MS);
+    let out = drain(&mut s);
+    let rest: Vec<(u32, u64)> = moving[1..].iter().map(|&l| (l, u64::from(l))).collect();
+    assert_eq!(handed(&out), rest);
+    let timed_out = events(&out)
+        .into_iter()
+        .filter(|e| matches!(e, CoordEvent::ReleaseTimedOut { from: 10, .. }))
+        .count();
+    assert_eq!(timed_out, rest.len());
 }
 
 #[test]

@@ -283,6 +283,10 @@ pub struct JoinAck {
     pub map_epoch: u64,
     /// Where each live aggregator listens.
     pub aggregators: Vec<AggregatorAddr>,
+    /// Which aggregator produced the version in `layer_versions`, as
+    /// `(layer_id, aggregator_node_id)` (layers never updated are absent); see
+    /// [`LayerMap::layer_producers`].
+    pub layer_producers: Vec<(u32, u64)>,
 }
 
 /// Where an aggregator listens.
@@ -310,6 +314,12 @@ pub struct LayerMap {
     /// [`LayerVersion`]); deltas applied to anything older would be overwritten by the
     /// hand-over.
     pub layer_versions: Vec<(u32, u64)>,
+    /// Which aggregator produced each version in `layer_versions`, as
+    /// `(layer_id, aggregator_node_id)` (layers never updated are absent). Versions are
+    /// numbered per branch of history: an aggregator that restarts holding a layer another
+    /// aggregator has since moved on serves it only after the hand-over, even if its own
+    /// copy's number is as high.
+    pub layer_producers: Vec<(u32, u64)>,
 }
 
 /// A node asks an aggregator for the layers it owns: the aggregator adds it to its

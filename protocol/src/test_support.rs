@@ -183,10 +183,19 @@ pub fn arb_message() -> impl Strategy<Value = Message> {
             arb_pairs(),
             arb_pairs(),
             any::<u64>(),
-            arb_aggregators()
+            arb_aggregators(),
+            arb_pairs(),
         )
             .prop_map(
-                |(node_id, lease_ms, layer_owners, layer_versions, map_epoch, aggregators)| {
+                |(
+                    node_id,
+                    lease_ms,
+                    layer_owners,
+                    layer_versions,
+                    map_epoch,
+                    aggregators,
+                    layer_producers,
+                )| {
                     Message::JoinAck(JoinAck {
                         node_id,
                         lease_ms,
@@ -194,19 +203,26 @@ pub fn arb_message() -> impl Strategy<Value = Message> {
                         layer_versions,
                         map_epoch,
                         aggregators,
+                        layer_producers,
                     })
                 }
             ),
-        (any::<u64>(), arb_pairs(), arb_aggregators(), arb_pairs()).prop_map(
-            |(epoch, owners, aggregators, versions)| {
+        (
+            any::<u64>(),
+            arb_pairs(),
+            arb_aggregators(),
+            arb_pairs(),
+            arb_pairs()
+        )
+            .prop_map(|(epoch, owners, aggregators, versions, producers)| {
                 Message::LayerMap(LayerMap {
                     epoch,
                     owners,
                     aggregators,
                     layer_versions: versions,
+                    layer_producers: producers,
                 })
-            }
-        ),
+            }),
         any::<u64>().prop_map(|node_id| Message::Subscribe(Subscribe { node_id })),
         arb_stats().prop_map(Message::Stats),
         (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(node_id, lease_ms, now_ms)| {
@@ -309,6 +325,7 @@ pub fn sample_messages() -> Vec<Message> {
                 node_id: 1,
                 addr: "127.0.0.1:7001".into(),
             }],
+            layer_producers: vec![(0, 1), (1, 1)],
         }),
         Message::LayerMap(LayerMap {
             epoch: 4,
@@ -324,6 +341,7 @@ pub fn sample_messages() -> Vec<Message> {
                 },
             ],
             layer_versions: vec![(0, 12), (1, 0)],
+            layer_producers: vec![(0, 1)],
         }),
         Message::Subscribe(Subscribe { node_id: 42 }),
         Message::Stats(NodeStats {

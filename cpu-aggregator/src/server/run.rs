@@ -546,9 +546,19 @@ impl Shell {
                     "[JOIN] aggregator={} admitted (map epoch {})",
                     self.name, ack.map_epoch
                 );
-                self.apply_map(ack.map_epoch, &ack.layer_owners, &ack.layer_versions);
+                self.apply_map(
+                    ack.map_epoch,
+                    &ack.layer_owners,
+                    &ack.layer_versions,
+                    &ack.layer_producers,
+                );
             }
-            Message::LayerMap(map) => self.apply_map(map.epoch, &map.owners, &map.layer_versions),
+            Message::LayerMap(map) => self.apply_map(
+                map.epoch,
+                &map.owners,
+                &map.layer_versions,
+                &map.layer_producers,
+            ),
             Message::LayerVersion(v) => self.take_handover(v),
             Message::Error(e) if e.code == ErrorCode::Unauthorized => {
                 return Err(AggregatorRunError::Refused(e.text));
@@ -612,12 +622,20 @@ impl Shell {
         }
     }
 
-    /// Follows a new layer map: releases the layers that moved away; for each layer given to
-    /// us, serves it at once if we hold it at (at least) the coordinator's newest version or
-    /// it has never been updated (initial weights), and otherwise waits for the
+    /// Follows a new layer map. A layer that moved away is released after its final version
+    /// went to the coordinator, which hands it to the new owner (so nothing applied and
+    /// acknowledged here is lost). A layer given to us is served at once if it has never
+    /// been updated (initial weights) or we hold the coordinator's newest version of it
+    /// ourselves (same producer, at least the same number); otherwise we wait for the
     /// coordinator's hand-over before serving it, so that no delta is applied to a version
     /// that the hand-over would then replace.
-    fn apply_map(&mut self, epoch: u64, owners: &[(u32, u64)], versions: &[(u32, u64)]) {
+    fn apply_map(
+        &mut self,
+        epoch: u64,
+        owners: &[(u32, u64)],
+        versions: &[(u32, u64)],
+        producers: &[(u32, u64)],
+    ) {
         if epoch < self.map_epoch {
             return;
         }
@@ -628,19 +646,31 @@ impl Shell {
             .map(|(layer, _)| *layer)
             .collect();
         let newest: HashMap<u32, u64> = versions.iter().copied().collect();
+        let producer: HashMap<u32, u64> = producers.iter().copied().collect();
         self.awaiting_handover
             .retain(|layer, _| mine.contains(layer));
         let owned: Vec<u32> = self.state.layer_ids().collect();
         for layer_id in owned {
-            if !mine.contains(&layer_id) && self.state.release_layer(layer_id) {
-                info!("[MAP] layer {layer_id} moved away (epoch {epoch})");
+            if mine.contains(&layer_id) {
+                continue;
+            }
+            match self.state.current_version_message(layer_id) {
+                Some(Ok(last)) => self.send_to_coordinator(last),
+                Some(Err(e)) => error!("[ERROR] layer {layer_id}: final version not encoded: {e}"),
+                None => {}
+            }
+            if self.state.release_layer(layer_id) {
+                info!(
+                    "[MAP] layer {layer_id} moved away (epoch {epoch}); final version sent for the hand-over"
+                );
             }
         }
         let now = Instant::now();
         for &layer_id in &mine {
             let want = newest.get(&layer_id).copied().unwrap_or(0);
             let have = self.state.layer(layer_id).map(|l| l.version);
-            if want == 0 || have.is_some_and(|v| v >= want) {
+            let ours = producer.get(&layer_id).is_none_or(|&p| p == self.id);
+            if want == 0 || (ours && have.is_some_and(|v| v >= want)) {
                 continue;
             }
             if have.is_some() {
@@ -754,6 +784,19 @@ impl Shell {
         }
         let now = self.now();
         self.state.handle_message(now, node, msg);
+    }
+
+    /// Sends `msg` to the coordinator (dropped with a warning when the link is down).
+    fn send_to_coordinator(&self, msg: Message) {
+        let Some(link) = self.conns.get(&COORDINATOR).cloned() else {
+            return warn!("[WARN] no coordinator link: {} not sent", msg.kind());
+        };
+        let timeout = self.send_timeout;
+        tokio::spawn(async move {
+            if let Err(e) = link.send_with_timeout(&msg, timeout).await {
+                warn!("[WARN] {} to the coordinator failed: {e}", msg.kind());
+            }
+        });
     }
 
     fn reply_error(&self, conn: u64, code: ErrorCode, text: String) {

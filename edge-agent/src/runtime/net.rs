@@ -442,6 +442,7 @@ impl Ctx {
                                 owners: ack.layer_owners.clone(),
                                 aggregators: ack.aggregators.clone(),
                                 layer_versions: ack.layer_versions.clone(),
+                                layer_producers: ack.layer_producers.clone(),
                             },
                         )));
                         self.links().coordinator = Some(c.clone());
