@@ -59,6 +59,11 @@ pub struct LayerStatus {
     pub version: u64,
     /// Encoded bytes of the cached checkpoint (0: none).
     pub checkpoint_bytes: u64,
+    /// Which aggregator produced the cached checkpoint.
+    pub produced_by: Option<u64>,
+    /// While the layer moves away from a live aggregator: that aggregator, whose final
+    /// version the hand-over waits for (at most [`crate::state::RELEASE_TIMEOUT_MS`]).
+    pub releasing_from: Option<u64>,
 }
 
 /// A node's counters ([`NodeStats`] in serde form).
@@ -172,6 +177,8 @@ impl CoordinatorState {
                     owner: self.owners.get(&l.layer_id).copied(),
                     version: cached.map_or(0, |v| v.version),
                     checkpoint_bytes: cached.map_or(0, |v| v.payload.len() as u64),
+                    produced_by: cached.map(|v| v.aggregator_id),
+                    releasing_from: self.pending_release.get(&l.layer_id).map(|&(from, _)| from),
                 }
             })
             .collect();

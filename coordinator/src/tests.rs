@@ -282,6 +282,11 @@ fn second_aggregator_takes_its_layers_with_their_checkpoint() {
         .any(|m| matches!(m, Message::LayerMap(_))));
     let moving: Vec<u32> = moved.iter().copied().filter(|&l| l > 0).collect();
     assert!(!moving.is_empty(), "{moved:?}");
+    let status = s.status(2);
+    for &l in &moving {
+        assert_eq!(status.layers[l as usize].releasing_from, Some(10));
+        assert_eq!(status.layers[l as usize].produced_by, Some(10));
+    }
     // agg-10 releases the first moved layer with its final version (one more than the
     // checkpoint): it is handed to agg-11 at once.
     let first = moving[0];
