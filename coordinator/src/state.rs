@@ -416,6 +416,10 @@ impl CoordinatorState {
         self.next_node_id = self.next_node_id.max(node_id.saturating_add(1));
 
         let new_map = aggregators_changed.then(|| self.recompute_map()).flatten();
+        if let Some(moved) = &new_map {
+            // Before the JoinAck, so that a joiner taking layers over knows to wait.
+            self.note_releases(moved);
+        }
         self.event(CoordEvent::Joined {
             node_id,
             name: peer_name.to_owned(),
@@ -433,6 +437,7 @@ impl CoordinatorState {
                 map_epoch: self.epoch,
                 aggregators: self.aggregator_addrs(),
                 layer_producers: self.layer_producers(),
+                releasing_layers: self.pending_release.keys().copied().collect(),
             }),
         );
         let mut handover: BTreeSet<u32> = BTreeSet::new();
@@ -558,7 +563,7 @@ impl CoordinatorState {
         }
         if releasing {
             self.pending_release.remove(&layer_id);
-            self.hand_over(layer_id);
+            self.hand_over_released(layer_id);
         }
         Ok(())
     }
@@ -652,21 +657,7 @@ impl CoordinatorState {
         let changed = new_map.is_some();
         let moved = new_map.unwrap_or_default();
         handover.extend(moved.iter().filter(|m| m.to.is_some()).map(|m| m.layer_id));
-        // A layer moving away from a live aggregator waits for that aggregator's final
-        // version; one moving back to the aggregator it is waiting on needs no hand-over.
-        for m in &moved {
-            let live_from = m
-                .from
-                .filter(|from| self.members.get(from).is_some_and(|a| a.conn.is_some()));
-            match (live_from, m.to) {
-                (Some(from), Some(to)) if from != to => {
-                    self.pending_release.insert(m.layer_id, (from, self.now_ms));
-                }
-                _ => {
-                    self.pending_release.remove(&m.layer_id);
-                }
-            }
-        }
+        self.note_releases(&moved);
         handover.retain(|layer| !self.pending_release.contains_key(layer));
         let mut handed_over = Vec::new();
         let mut sends = Vec::new();
@@ -689,6 +680,7 @@ impl CoordinatorState {
                 aggregators: self.published_addrs.clone(),
                 layer_versions: self.layer_versions(),
                 layer_producers: self.layer_producers(),
+                releasing_layers: self.pending_release.keys().copied().collect(),
             };
             let targets: Vec<ConnId> = self
                 .members
@@ -711,6 +703,27 @@ impl CoordinatorState {
         }
     }
 
+    /// Records the layers of `moved` that leave a live aggregator: their hand-over waits for
+    /// that aggregator's final version. (A layer moving elsewhere again is re-recorded; one
+    /// whose old owner is gone needs no release.)
+    fn note_releases(&mut self, moved: &[LayerMove]) {
+        for m in moved {
+            let live_from = m
+                .from
+                .filter(|from| self.members.get(from).is_some_and(|a| a.conn.is_some()));
+            match (live_from, m.to) {
+                (Some(from), Some(to)) if from != to => {
+                    self.pending_release
+                        .entry(m.layer_id)
+                        .or_insert((from, self.now_ms));
+                }
+                _ => {
+                    self.pending_release.remove(&m.layer_id);
+                }
+            }
+        }
+    }
+
     /// Sends the checkpoint of `layer_id` to its current owner (if there is one to send).
     fn hand_over(&mut self, layer_id: u32) {
         let (Some(&owner), Some(cached)) =
@@ -730,6 +743,26 @@ impl CoordinatorState {
             });
             self.send(conn, msg);
         }
+    }
+
+    /// After a release: sends the newest version of `layer_id` to its owner whatever its
+    /// number (a version 0 tells the new owner that nothing was applied before the move).
+    fn hand_over_released(&mut self, layer_id: u32) {
+        let (Some(&owner), Some(cached)) =
+            (self.owners.get(&layer_id), self.checkpoint.get(&layer_id))
+        else {
+            return;
+        };
+        let Some(conn) = self.members.get(&owner).and_then(|m| m.conn) else {
+            return;
+        };
+        let msg = Message::LayerVersion(cached.clone());
+        self.event(CoordEvent::HandedOver {
+            layer_id,
+            version: cached.version,
+            to: owner,
+        });
+        self.send(conn, msg);
     }
 
     fn refuse(&mut self, conn: ConnId, peer_name: &str, reason: RefusalReason) {

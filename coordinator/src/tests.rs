@@ -275,6 +275,9 @@ fn second_aggregator_takes_its_layers_with_their_checkpoint() {
             _ => None,
         })
         .expect("a JoinAck");
+    let mut releasing = ack.releasing_layers.clone();
+    releasing.sort_unstable();
+    assert_eq!(releasing, moved, "agg-11 learns which layers to wait for");
     assert!(!ack.layer_producers.is_empty());
     assert!(ack.layer_producers.iter().all(|&(_, p)| p == 10));
     assert!(!sent_to(&out, 11)

@@ -287,6 +287,8 @@ pub struct JoinAck {
     /// `(layer_id, aggregator_node_id)` (layers never updated are absent); see
     /// [`LayerMap::layer_producers`].
     pub layer_producers: Vec<(u32, u64)>,
+    /// See [`LayerMap::releasing_layers`].
+    pub releasing_layers: Vec<u32>,
 }
 
 /// Where an aggregator listens.
@@ -320,6 +322,9 @@ pub struct LayerMap {
     /// aggregator has since moved on serves it only after the hand-over, even if its own
     /// copy's number is as high.
     pub layer_producers: Vec<(u32, u64)>,
+    /// Layers moving away from a live aggregator: their new owner waits for the hand-over of
+    /// the old owner's final version (whatever its number, 0 included) before serving them.
+    pub releasing_layers: Vec<u32>,
 }
 
 /// A node asks an aggregator for the layers it owns: the aggregator adds it to its

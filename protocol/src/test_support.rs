@@ -185,6 +185,7 @@ pub fn arb_message() -> impl Strategy<Value = Message> {
             any::<u64>(),
             arb_aggregators(),
             arb_pairs(),
+            prop::collection::vec(any::<u32>(), 0..4),
         )
             .prop_map(
                 |(
@@ -195,6 +196,7 @@ pub fn arb_message() -> impl Strategy<Value = Message> {
                     map_epoch,
                     aggregators,
                     layer_producers,
+                    releasing_layers,
                 )| {
                     Message::JoinAck(JoinAck {
                         node_id,
@@ -204,6 +206,7 @@ pub fn arb_message() -> impl Strategy<Value = Message> {
                         map_epoch,
                         aggregators,
                         layer_producers,
+                        releasing_layers,
                     })
                 }
             ),
@@ -212,17 +215,21 @@ pub fn arb_message() -> impl Strategy<Value = Message> {
             arb_pairs(),
             arb_aggregators(),
             arb_pairs(),
-            arb_pairs()
+            arb_pairs(),
+            prop::collection::vec(any::<u32>(), 0..4),
         )
-            .prop_map(|(epoch, owners, aggregators, versions, producers)| {
-                Message::LayerMap(LayerMap {
-                    epoch,
-                    owners,
-                    aggregators,
-                    layer_versions: versions,
-                    layer_producers: producers,
-                })
-            }),
+            .prop_map(
+                |(epoch, owners, aggregators, versions, producers, releasing)| {
+                    Message::LayerMap(LayerMap {
+                        epoch,
+                        owners,
+                        aggregators,
+                        layer_versions: versions,
+                        layer_producers: producers,
+                        releasing_layers: releasing,
+                    })
+                }
+            ),
         any::<u64>().prop_map(|node_id| Message::Subscribe(Subscribe { node_id })),
         arb_stats().prop_map(Message::Stats),
         (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(node_id, lease_ms, now_ms)| {
@@ -326,6 +333,7 @@ pub fn sample_messages() -> Vec<Message> {
                 addr: "127.0.0.1:7001".into(),
             }],
             layer_producers: vec![(0, 1), (1, 1)],
+            releasing_layers: vec![],
         }),
         Message::LayerMap(LayerMap {
             epoch: 4,
@@ -342,6 +350,7 @@ pub fn sample_messages() -> Vec<Message> {
             ],
             layer_versions: vec![(0, 12), (1, 0)],
             layer_producers: vec![(0, 1)],
+            releasing_layers: vec![0],
         }),
         Message::Subscribe(Subscribe { node_id: 42 }),
         Message::Stats(NodeStats {

@@ -31,6 +31,10 @@ use crate::state::{AggEvent, AggregatorCounters, AggregatorState, Output};
 const COORDINATOR: u64 = 0;
 /// Staleness histogram buckets (`τ = 0 .. 15`, then `≥ 16`).
 const STALENESS_BUCKETS: usize = 17;
+/// How long a layer released to us, of which no version was ever published, waits for the
+/// old owner's release before starting from the initial weights (longer than the
+/// coordinator's release timeout).
+const FRESH_LAYER_WAIT: Duration = Duration::from_secs(3);
 
 /// Why an aggregator process stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -551,6 +555,7 @@ impl Shell {
                     &ack.layer_owners,
                     &ack.layer_versions,
                     &ack.layer_producers,
+                    &ack.releasing_layers,
                 );
             }
             Message::LayerMap(map) => self.apply_map(
@@ -558,6 +563,7 @@ impl Shell {
                 &map.owners,
                 &map.layer_versions,
                 &map.layer_producers,
+                &map.releasing_layers,
             ),
             Message::LayerVersion(v) => self.take_handover(v),
             Message::Error(e) if e.code == ErrorCode::Unauthorized => {
@@ -635,6 +641,7 @@ impl Shell {
         owners: &[(u32, u64)],
         versions: &[(u32, u64)],
         producers: &[(u32, u64)],
+        releasing: &[u32],
     ) {
         if epoch < self.map_epoch {
             return;
@@ -670,7 +677,8 @@ impl Shell {
             let want = newest.get(&layer_id).copied().unwrap_or(0);
             let have = self.state.layer(layer_id).map(|l| l.version);
             let ours = producer.get(&layer_id).is_none_or(|&p| p == self.id);
-            if want == 0 || (ours && have.is_some_and(|v| v >= want)) {
+            let released_to_us = releasing.contains(&layer_id);
+            if !released_to_us && (want == 0 || (ours && have.is_some_and(|v| v >= want))) {
                 continue;
             }
             if have.is_some() {
@@ -705,35 +713,7 @@ impl Shell {
             })
             .collect();
         missing.sort_unstable();
-        if !missing.is_empty() && !self.initial.is_built() {
-            info!(
-                "[MAP] building the initial weights for layers {missing:?} (not in the shard file)"
-            );
-            let initial = &mut self.initial;
-            if let Err(e) = tokio::task::block_in_place(|| initial.build()) {
-                error!("[ERROR] cannot build the initial weights: {e}");
-                return;
-            }
-        }
-        for layer_id in missing {
-            let def = match self.initial.layout() {
-                Ok(layout) => layout.iter().find(|d| d.layer_id == layer_id).cloned(),
-                Err(_) => None,
-            };
-            let (Some(def), Ok(Some(values))) = (def, self.initial.values(layer_id)) else {
-                error!("[ERROR] the layer map assigns layer {layer_id}, which this model lacks");
-                continue;
-            };
-            let layer = OwnedLayer {
-                layer_id,
-                name: def.name.clone(),
-                shape: vec![def.len as u32],
-                values: values.to_vec(),
-            };
-            if let Err(e) = self.state.adopt_layer(layer, 0, &[]) {
-                error!("[ERROR] cannot own layer {}: {e}", def.name);
-            }
-        }
+        self.own_from_initial(missing);
         let names: Vec<String> = self
             .state
             .layer_ids()
@@ -945,9 +925,60 @@ impl Shell {
         Ok(())
     }
 
-    /// Logs layers still waiting for their hand-over (every 10 s each).
+    /// Takes ownership of `layers` at version 0 with the model's initial weights (built on
+    /// first use).
+    fn own_from_initial(&mut self, missing: Vec<u32>) {
+        if !missing.is_empty() && !self.initial.is_built() {
+            info!(
+                "[MAP] building the initial weights for layers {missing:?} (not in the shard file)"
+            );
+            let initial = &mut self.initial;
+            if let Err(e) = tokio::task::block_in_place(|| initial.build()) {
+                return error!("[ERROR] cannot build the initial weights: {e}");
+            }
+        }
+        for layer_id in missing {
+            let def = match self.initial.layout() {
+                Ok(layout) => layout.iter().find(|d| d.layer_id == layer_id).cloned(),
+                Err(_) => None,
+            };
+            let (Some(def), Ok(Some(values))) = (def, self.initial.values(layer_id)) else {
+                error!("[ERROR] the layer map assigns layer {layer_id}, which this model lacks");
+                continue;
+            };
+            let layer = OwnedLayer {
+                layer_id,
+                name: def.name.clone(),
+                shape: vec![def.len as u32],
+                values: values.to_vec(),
+            };
+            if let Err(e) = self.state.adopt_layer(layer, 0, &[]) {
+                error!("[ERROR] cannot own layer {}: {e}", def.name);
+            }
+        }
+    }
+
+    /// Logs layers still waiting for their hand-over (every 10 s each). A layer whose
+    /// coordinator never saw any version (awaited version 0: only its old owner's release
+    /// was awaited) starts from the initial weights once that release is overdue.
     fn report_waiting(&mut self) {
         let now = Instant::now();
+        let fresh: Vec<u32> = self
+            .awaiting_handover
+            .iter()
+            .filter(|(_, (want, since, _))| {
+                *want == 0 && now.duration_since(*since) >= FRESH_LAYER_WAIT
+            })
+            .map(|(&layer, _)| layer)
+            .collect();
+        for layer_id in fresh {
+            self.awaiting_handover.remove(&layer_id);
+            warn!(
+                "[WARN] layer {layer_id}: no hand-over after {} s and no version was ever published; starting it from the initial weights",
+                FRESH_LAYER_WAIT.as_secs()
+            );
+            self.own_from_initial(vec![layer_id]);
+        }
         for (layer_id, (want, since, logged)) in self.awaiting_handover.iter_mut() {
             if now.duration_since(*logged) >= Duration::from_secs(10) {
                 *logged = now;

@@ -443,6 +443,7 @@ impl Ctx {
                                 aggregators: ack.aggregators.clone(),
                                 layer_versions: ack.layer_versions.clone(),
                                 layer_producers: ack.layer_producers.clone(),
+                                releasing_layers: ack.releasing_layers.clone(),
                             },
                         )));
                         self.links().coordinator = Some(c.clone());
