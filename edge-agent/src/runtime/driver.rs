@@ -20,6 +20,10 @@ use crate::config::NodeId;
 use crate::durable_cache::DurableCache;
 use crate::state::{ClientEvent, Output, SyncClient};
 
+/// An empty weak-sync cache whose directory has grown past this is recreated (see
+/// [`DurableCache::compact_if_empty`]).
+const CACHE_COMPACT_BYTES: u64 = 64 << 20;
+
 use super::topk::TopKSparsifier;
 
 /// Where the driver sends messages (the network task's command channel).
@@ -247,6 +251,14 @@ impl SyncDriver {
                         // Not fatal: a delivered entry left behind is retransmitted after a
                         // restart and rejected as a duplicate.
                         warn!("[WARN] weak-sync cache remove failed: {e}");
+                    }
+                    match self.cache.compact_if_empty(CACHE_COMPACT_BYTES) {
+                        Ok(Some(freed)) => info!(
+                            "[CACHE] all weak-synced deltas delivered; cache compacted, {:.1} MB freed",
+                            freed as f64 / 1e6
+                        ),
+                        Ok(None) => {}
+                        Err(e) => warn!("[WARN] weak-sync cache compaction failed: {e}"),
                     }
                 }
                 Output::ApplyVersion {
