@@ -46,6 +46,8 @@ use crate::error::CacheDecodeError;
 
 /// Suffix of the directory a rebuilt cache is assembled in before it is swapped in.
 const REBUILD_SUFFIX: &str = ".rebuild";
+/// Suffix of the directory a compaction moves the bloated original to before deleting it.
+const OLD_SUFFIX: &str = ".old";
 /// Suffix (before the number) of a cache directory moved aside.
 const CORRUPT_SUFFIX: &str = ".corrupt-";
 /// Substring of the sled 0.34.7 error for a database another process holds open.
@@ -197,6 +199,18 @@ impl DurableCache {
         let dir = dir.as_ref().to_path_buf();
         let rebuild_dir = sibling(&dir, REBUILD_SUFFIX)?;
         let mut report = OpenReport::default();
+
+        // Left by a compaction interrupted after it moved the original aside: the copy (in
+        // `<dir>.rebuild` or already `<dir>`) is complete, the original is garbage — unless
+        // neither copy exists, which compaction never leaves, so keep the original then.
+        let old_dir = sibling(&dir, OLD_SUFFIX)?;
+        if old_dir.exists() {
+            if dir.exists() || rebuild_dir.exists() {
+                remove_path(&old_dir)?;
+            } else {
+                rename(&old_dir, &dir)?;
+            }
+        }
 
         if rebuild_dir.exists() {
             if dir.exists() {
@@ -370,6 +384,72 @@ impl DurableCache {
         remove_path(&self.dir)?;
         let (fresh, _) = DurableCache::open(&self.dir)?;
         self.db = fresh.db;
+        Ok(Some(before.saturating_sub(dir_bytes(&self.dir))))
+    }
+
+    /// Reclaims the disk space of a cache that still holds entries, when its directory has
+    /// grown past `min_bytes` and past `factor` times the bytes of its live entries (a long
+    /// outage: every cached and coalesced delta leaves a blob file behind). The live entries
+    /// are copied into a fresh database beside it, flushed, and swapped in with the same
+    /// crash-safe protocol as a rebuild after corruption (see [`DurableCache::open`]): until
+    /// the swap the original is untouched, after it the copy is complete. Returns the bytes
+    /// freed, `None` when nothing was done.
+    pub fn compact_if_bloated(
+        &mut self,
+        min_bytes: u64,
+        factor: u64,
+    ) -> Result<Option<u64>, CacheError> {
+        if self.db.is_empty() {
+            return self.compact_if_empty(min_bytes);
+        }
+        let before = dir_bytes(&self.dir);
+        if before < min_bytes {
+            return Ok(None);
+        }
+        let mut live: Vec<(sled::IVec, sled::IVec)> = Vec::with_capacity(self.db.len());
+        for kv in self.db.iter() {
+            live.push(kv.map_err(|source| self.sled_err("reading entries to compact", source))?);
+        }
+        let live_bytes: u64 = live.iter().map(|(k, v)| (k.len() + v.len()) as u64).sum();
+        if before < live_bytes.saturating_mul(factor) {
+            return Ok(None);
+        }
+        let rebuild_dir = sibling(&self.dir, REBUILD_SUFFIX)?;
+        if rebuild_dir.exists() {
+            remove_path(&rebuild_dir)?;
+        }
+        let fresh = open_sled(&rebuild_dir).map_err(|e| e.into_error(&rebuild_dir))?;
+        let mut batch = sled::Batch::default();
+        for (k, v) in &live {
+            batch.insert(k.clone(), v.clone());
+        }
+        fresh
+            .apply_batch(batch)
+            .map_err(|source| CacheError::Sled {
+                path: rebuild_dir.clone(),
+                op: "writing compacted entries",
+                source,
+            })?;
+        flush_db(&fresh, &rebuild_dir)?;
+        drop(fresh);
+        let placeholder = sled::Config::new()
+            .temporary(true)
+            .open()
+            .map_err(|source| self.sled_err("opening a placeholder", source))?;
+        drop(std::mem::replace(&mut self.db, placeholder));
+        // Crash before this rename: `open` finds both directories and keeps the original.
+        let old_dir = sibling(&self.dir, OLD_SUFFIX)?;
+        if old_dir.exists() {
+            remove_path(&old_dir)?;
+        }
+        rename(&self.dir, &old_dir)?;
+        // Crash here: `open` finds only the complete, flushed copy and moves it into place
+        // (and deletes the old directory).
+        rename(&rebuild_dir, &self.dir)?;
+        sync_parent(&self.dir)?;
+        remove_path(&old_dir)?;
+        let (reopened, _) = DurableCache::open(&self.dir)?;
+        self.db = reopened.db;
         Ok(Some(before.saturating_sub(dir_bytes(&self.dir))))
     }
 
@@ -908,6 +988,47 @@ mod tests {
         let (cache, report) = DurableCache::open(&dir).unwrap();
         assert!(report.is_clean(), "{report:?}");
         assert_eq!(cache.entries().unwrap(), vec![entry(2, 7, 10)]);
+        drop(cache);
+        fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn a_bloated_cache_with_pending_entries_is_compacted_without_losing_any() {
+        let base = temp_dir("bloated");
+        let dir = base.join("cache");
+        let (mut cache, _) = DurableCache::open(&dir).unwrap();
+        // A long outage: many deltas cached and coalesced away, three still pending.
+        for seq in 0..40 {
+            cache.put_durable(&entry(1, seq, 100_000)).unwrap();
+        }
+        cache.remove(1, &(0..37).collect::<Vec<_>>()).unwrap();
+        cache.flush().unwrap();
+        let pending = cache.entries().unwrap();
+        assert_eq!(pending.len(), 3);
+        let grown = cache.dir_bytes();
+        // Not bloated enough for a factor of 1000: nothing happens.
+        assert_eq!(cache.compact_if_bloated(1 << 20, 1000).unwrap(), None);
+        let freed = cache
+            .compact_if_bloated(1 << 20, 4)
+            .unwrap()
+            .expect("compacted");
+        assert!(freed > grown / 2, "freed {freed} of {grown}");
+        assert_eq!(cache.entries().unwrap(), pending);
+        assert!(!base.join("cache.rebuild").exists() && !base.join("cache.old").exists());
+        drop(cache);
+        let (cache, report) = DurableCache::open(&dir).unwrap();
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!(cache.entries().unwrap(), pending, "durable after the swap");
+        drop(cache);
+
+        // A compaction interrupted after moving the original aside: the complete copy wins and
+        // the original is deleted.
+        fs::rename(&dir, base.join("cache.rebuild")).unwrap();
+        fs::create_dir_all(base.join("cache.old")).unwrap();
+        fs::write(base.join("cache.old/junk"), b"old").unwrap();
+        let (cache, _) = DurableCache::open(&dir).unwrap();
+        assert_eq!(cache.entries().unwrap(), pending);
+        assert!(!base.join("cache.old").exists() && !base.join("cache.rebuild").exists());
         drop(cache);
         fs::remove_dir_all(&base).unwrap();
     }
