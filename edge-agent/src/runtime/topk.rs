@@ -66,9 +66,11 @@ mod tests {
     use super::*;
     use crate::config::{ClientConfig, LayerInit, LayerSpec};
     use crate::state::{Output, SyncClient};
+    use cpu_aggregator::{
+        AggEvent, AggregatorConfig, AggregatorState, Output as AggOutput, OwnedLayer,
+    };
     use proptest::prelude::*;
-    use protocol::{DeltaAck, Message};
-    use std::collections::HashMap;
+    use protocol::Message;
 
     #[test]
     fn k_is_a_ceiling_fraction_within_bounds() {
@@ -129,22 +131,29 @@ mod tests {
         SyncClient::new(1, vec![init], config).unwrap()
     }
 
-    fn ack(seq: u64, applied: bool) -> Message {
-        Message::DeltaAck(DeltaAck {
-            node_id: 1,
+    /// The real aggregator of layer 0 (owner 9): every delta is applied on arrival with
+    /// `θ ← θ + Δ` (round size 1, outer lr 1), at most once per seq; no staleness limit,
+    /// since this client never receives versions.
+    fn aggregator(len: usize) -> AggregatorState {
+        let layer = OwnedLayer {
             layer_id: 0,
-            seq,
-            applied,
-            new_version: 0,
-        })
+            name: "fc".into(),
+            shape: vec![len as u32],
+            values: vec![0.0; len],
+        };
+        let config = AggregatorConfig {
+            tau_max: u64::MAX,
+            ..AggregatorConfig::default()
+        };
+        AggregatorState::new(9, vec![layer], config).unwrap()
     }
 
-    /// Runs the client's outputs against a fake aggregator that applies each seq at most
-    /// once. `lose`: the fresh delta with this seq misses its deadline (and, with `true`,
-    /// was applied by the aggregator although the ack was lost).
+    /// Runs the client's outputs against the aggregator. `lose`: the fresh delta with this
+    /// seq misses its deadline — with `true` it reached the aggregator and only its ack was
+    /// lost, with `false` it never arrived.
     fn pump(
         c: &mut SyncClient,
-        applied: &mut HashMap<u64, Vec<f32>>,
+        agg: &mut AggregatorState,
         now: &mut u64,
         k: usize,
         fresh_seq: u64,
@@ -157,26 +166,30 @@ mod tests {
                     msg: Message::LayerDelta(p),
                     ..
                 } => {
-                    let values = p.decode_values().unwrap();
-                    if p.seq == fresh_seq {
+                    let seq = p.seq;
+                    if seq == fresh_seq {
+                        let values = p.decode_values().unwrap();
                         let nonzero = values.iter().filter(|v| **v != 0.0).count();
                         assert!(nonzero <= k, "fresh delta has {nonzero} > {k} non-zeros");
                     }
-                    match (p.seq == fresh_seq, lose) {
-                        (true, Some(applied_anyway)) => {
-                            if applied_anyway {
-                                applied.insert(p.seq, values);
+                    let lost = (seq == fresh_seq).then_some(lose).flatten();
+                    if lost != Some(false) {
+                        agg.handle_message(*now, 1, Message::LayerDelta(p));
+                    }
+                    while let Some(reply) = agg.poll_output() {
+                        match reply {
+                            AggOutput::Send { to: 1, msg } if lost.is_none() => {
+                                c.handle_message(*now, msg)
                             }
-                            *now += 10_000;
-                            c.handle_timeout(*now);
-                        }
-                        _ => {
-                            let fresh = !applied.contains_key(&p.seq);
-                            if fresh {
-                                applied.insert(p.seq, values);
+                            AggOutput::Event(AggEvent::BadInput { reason, .. }) => {
+                                panic!("the aggregator refused a delta: {reason}")
                             }
-                            c.handle_message(*now, ack(p.seq, fresh));
+                            _ => {}
                         }
+                    }
+                    if lost.is_some() {
+                        *now += 10_000;
+                        c.handle_timeout(*now);
                     }
                 }
                 Output::CachePut { entry } => {
@@ -203,8 +216,8 @@ mod tests {
         let s = TopKSparsifier::new(0.05);
         let k = s.k(len);
         let mut c = client(len);
+        let mut agg = aggregator(len);
         let mut theta = vec![0.0f32; len];
-        let mut applied: HashMap<u64, Vec<f32>> = HashMap::new();
         let mut now = 0;
         for step in 1..=24u64 {
             for (i, t) in theta.iter_mut().enumerate() {
@@ -214,10 +227,10 @@ mod tests {
             let fresh_seq = c.next_seq();
             c.on_step_end(now, step, 1, |_| cut.as_slice()).unwrap();
             let lose = (step % 4 == 0).then_some(step % 8 == 0);
-            pump(&mut c, &mut applied, &mut now, k, fresh_seq, lose);
+            pump(&mut c, &mut agg, &mut now, k, fresh_seq, lose);
             if step % 4 == 2 {
                 c.on_link_up(now);
-                pump(&mut c, &mut applied, &mut now, k, 0, None);
+                pump(&mut c, &mut agg, &mut now, k, 0, None);
             }
             now += 1;
         }
@@ -226,18 +239,24 @@ mod tests {
                 break;
             }
             c.on_link_up(now);
-            pump(&mut c, &mut applied, &mut now, k, 0, None);
+            pump(&mut c, &mut agg, &mut now, k, 0, None);
         }
         assert_eq!(c.undelivered(), 0);
         let counters = c.counters();
         assert!(counters.weak_sync_events >= 3, "{counters:?}");
         let anchor = c.anchor(0).unwrap();
-        let mut total = vec![0.0f64; len];
-        for values in applied.values() {
-            for (t, v) in total.iter_mut().zip(values) {
-                *t += f64::from(*v);
-            }
-        }
+        let total: Vec<f64> = agg
+            .layer(0)
+            .unwrap()
+            .values
+            .iter()
+            .map(|&v| f64::from(v))
+            .collect();
+        let agg_counters = agg.counters();
+        assert!(
+            agg_counters.duplicates_rejected >= 1,
+            "a delta applied before its ack was lost came back: {agg_counters:?}"
+        );
         // θ₀ = 0: applied + residual = θ, i.e. applied = anchor.
         for i in 0..len {
             assert!(
