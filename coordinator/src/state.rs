@@ -264,7 +264,7 @@ impl CoordinatorState {
         for layer_id in overdue {
             if let Some((from, _)) = self.pending_release.remove(&layer_id) {
                 self.event(CoordEvent::ReleaseTimedOut { layer_id, from });
-                self.hand_over(layer_id);
+                self.hand_over(layer_id, false);
             }
         }
         let expired: Vec<u64> = self
@@ -563,7 +563,7 @@ impl CoordinatorState {
         }
         if releasing {
             self.pending_release.remove(&layer_id);
-            self.hand_over_released(layer_id);
+            self.hand_over(layer_id, true);
         }
         Ok(())
     }
@@ -724,8 +724,10 @@ impl CoordinatorState {
         }
     }
 
-    /// Sends the checkpoint of `layer_id` to its current owner (if there is one to send).
-    fn hand_over(&mut self, layer_id: u32) {
+    /// Sends the checkpoint of `layer_id` to its current owner. A version 0 (nothing applied
+    /// yet) is sent only after a release (`released`), where it tells the new owner that
+    /// the old one applied nothing before the move; otherwise there is nothing to hand over.
+    fn hand_over(&mut self, layer_id: u32, released: bool) {
         let (Some(&owner), Some(cached)) =
             (self.owners.get(&layer_id), self.checkpoint.get(&layer_id))
         else {
@@ -734,28 +736,9 @@ impl CoordinatorState {
         let Some(conn) = self.members.get(&owner).and_then(|m| m.conn) else {
             return;
         };
-        if cached.version > 0 {
-            let msg = Message::LayerVersion(cached.clone());
-            self.event(CoordEvent::HandedOver {
-                layer_id,
-                version: cached.version,
-                to: owner,
-            });
-            self.send(conn, msg);
+        if cached.version == 0 && !released {
+            return;
         }
-    }
-
-    /// After a release: sends the newest version of `layer_id` to its owner whatever its
-    /// number (a version 0 tells the new owner that nothing was applied before the move).
-    fn hand_over_released(&mut self, layer_id: u32) {
-        let (Some(&owner), Some(cached)) =
-            (self.owners.get(&layer_id), self.checkpoint.get(&layer_id))
-        else {
-            return;
-        };
-        let Some(conn) = self.members.get(&owner).and_then(|m| m.conn) else {
-            return;
-        };
         let msg = Message::LayerVersion(cached.clone());
         self.event(CoordEvent::HandedOver {
             layer_id,
