@@ -372,19 +372,7 @@ impl DurableCache {
         if !self.db.is_empty() {
             return Ok(None);
         }
-        let before = dir_bytes(&self.dir);
-        if before < min_bytes {
-            return Ok(None);
-        }
-        let placeholder = sled::Config::new()
-            .temporary(true)
-            .open()
-            .map_err(|source| self.sled_err("opening a placeholder", source))?;
-        drop(std::mem::replace(&mut self.db, placeholder));
-        remove_path(&self.dir)?;
-        let (fresh, _) = DurableCache::open(&self.dir)?;
-        self.db = fresh.db;
-        Ok(Some(before.saturating_sub(dir_bytes(&self.dir))))
+        self.compact_if_bloated(min_bytes, 1)
     }
 
     /// Reclaims the disk space of a cache that still holds entries, when its directory has
@@ -399,9 +387,6 @@ impl DurableCache {
         min_bytes: u64,
         factor: u64,
     ) -> Result<Option<u64>, CacheError> {
-        if self.db.is_empty() {
-            return self.compact_if_empty(min_bytes);
-        }
         let before = dir_bytes(&self.dir);
         if before < min_bytes {
             return Ok(None);
@@ -432,11 +417,13 @@ impl DurableCache {
             })?;
         flush_db(&fresh, &rebuild_dir)?;
         drop(fresh);
-        let placeholder = sled::Config::new()
+        // sled releases its files and lock when the last handle is dropped: an in-memory
+        // database holds the field meanwhile.
+        let in_memory = sled::Config::new()
             .temporary(true)
             .open()
-            .map_err(|source| self.sled_err("opening a placeholder", source))?;
-        drop(std::mem::replace(&mut self.db, placeholder));
+            .map_err(|source| self.sled_err("opening an in-memory database", source))?;
+        drop(std::mem::replace(&mut self.db, in_memory));
         // Crash before this rename: `open` finds both directories and keeps the original.
         let old_dir = sibling(&self.dir, OLD_SUFFIX)?;
         if old_dir.exists() {
