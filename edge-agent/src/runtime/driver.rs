@@ -20,13 +20,12 @@ use crate::config::NodeId;
 use crate::durable_cache::DurableCache;
 use crate::state::{ClientEvent, Output, SyncClient};
 
-/// An empty weak-sync cache whose directory has grown past this is recreated (see
-/// [`DurableCache::compact_if_empty`]).
+/// The weak-sync cache is compacted when its directory exceeds this many bytes and
+/// [`CACHE_BLOAT_FACTOR`] times its live entries (see [`DurableCache::compact_if_bloated`]).
 const CACHE_COMPACT_BYTES: u64 = 64 << 20;
-/// A cache with pending entries is compacted when its directory exceeds this many times the
-/// bytes of those entries (and [`CACHE_COMPACT_BYTES`]).
+/// See [`CACHE_COMPACT_BYTES`].
 const CACHE_BLOAT_FACTOR: u64 = 4;
-/// How many cache writes pass between two checks of its disk use.
+/// How many cache changes pass between two checks of a non-empty cache's disk use.
 const CACHE_CHECK_EVERY: u32 = 16;
 
 use super::topk::TopKSparsifier;
@@ -90,8 +89,8 @@ pub struct SyncDriver {
     fatal: Option<String>,
     scratch: Vec<f32>,
     top_k: Option<TopKSparsifier>,
-    /// Cache writes since the cache's disk use was last checked.
-    cache_writes: u32,
+    /// Cache changes since the cache's disk use was last checked.
+    cache_changes: u32,
 }
 
 impl SyncDriver {
@@ -128,24 +127,25 @@ impl SyncDriver {
             fatal: None,
             scratch: Vec::new(),
             top_k: None,
-            cache_writes: 0,
+            cache_changes: 0,
         }
     }
 
-    /// Every [`CACHE_CHECK_EVERY`] cache writes, compacts a cache whose directory has grown
-    /// far beyond its live entries (a long outage).
-    fn after_cache_write(&mut self) {
-        self.cache_writes += 1;
-        if self.cache_writes < CACHE_CHECK_EVERY {
+    /// After a cache change: compacts the cache when its directory has grown far beyond
+    /// its live entries — checked at once when the change emptied it, otherwise every
+    /// [`CACHE_CHECK_EVERY`] changes (the check reads the live entries).
+    fn after_cache_change(&mut self) {
+        self.cache_changes += 1;
+        if !self.cache.is_empty() && self.cache_changes < CACHE_CHECK_EVERY {
             return;
         }
-        self.cache_writes = 0;
+        self.cache_changes = 0;
         match self
             .cache
             .compact_if_bloated(CACHE_COMPACT_BYTES, CACHE_BLOAT_FACTOR)
         {
             Ok(Some(freed)) => info!(
-                "[CACHE] {} deltas pending; cache compacted, {:.1} MB freed",
+                "[CACHE] compacted ({} deltas pending), {:.1} MB freed",
                 self.cache.len(),
                 freed as f64 / 1e6
             ),
@@ -265,7 +265,7 @@ impl SyncDriver {
                         .put_durable(&entry)
                         .map_err(|e| format!("weak-sync cache write failed: {e}"))?;
                     self.client.cache_put_done(now, entry.layer_id, entry.seq);
-                    self.after_cache_write();
+                    self.after_cache_change();
                 }
                 Output::CacheReplace {
                     layer_id,
@@ -276,7 +276,7 @@ impl SyncDriver {
                         .replace(layer_id, &remove, &put)
                         .map_err(|e| format!("weak-sync cache write failed: {e}"))?;
                     self.client.cache_put_done(now, put.layer_id, put.seq);
-                    self.after_cache_write();
+                    self.after_cache_change();
                 }
                 Output::CacheRemove { layer_id, seqs } => {
                     if let Err(e) = self.cache.remove(layer_id, &seqs) {
@@ -284,14 +284,7 @@ impl SyncDriver {
                         // restart and rejected as a duplicate.
                         warn!("[WARN] weak-sync cache remove failed: {e}");
                     }
-                    match self.cache.compact_if_empty(CACHE_COMPACT_BYTES) {
-                        Ok(Some(freed)) => info!(
-                            "[CACHE] all weak-synced deltas delivered; cache compacted, {:.1} MB freed",
-                            freed as f64 / 1e6
-                        ),
-                        Ok(None) => {}
-                        Err(e) => warn!("[WARN] weak-sync cache compaction failed: {e}"),
-                    }
+                    self.after_cache_change();
                 }
                 Output::ApplyVersion {
                     layer_id,
