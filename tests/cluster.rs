@@ -195,19 +195,18 @@ fn kill_9_of_an_edge_and_an_aggregator_loses_nothing_and_applies_each_delta_once
 /// An aggregator lost for good: the coordinator's lease on it expires, its layers move to the
 /// other aggregator (which adopts the newest checkpoint the coordinator holds), the nodes
 /// follow the new map, and training goes on to a good model with nothing left undelivered.
-#[test]
-fn a_lost_aggregator_s_layers_move_to_the_survivor_and_training_goes_on() {
-    let dir = scratch("cluster-rebalance");
-    let _cleanup = RemoveOnSuccess(dir.clone());
+/// A cluster of 2 aggregators (lease 1.5 s), a 2-worker node and an edge, clean links,
+/// with the given `[[chaos]]` section; MNIST for 800 steps, or the digits for 4000.
+fn two_aggregator_cluster(name: &str, chaos: &str) -> String {
     let steps = if engine::data::locate::shared_mnist_dir().is_some() {
         800
     } else {
         4000
     };
-    let text = format!(
+    format!(
         r#"
 [cluster]
-name = "rebalance"
+name = "{name}"
 lease_ms = 1500
 timeout_s = 600
 
@@ -239,11 +238,17 @@ workers = 2
 [[edges]]
 name = "edge-1"
 
-[[chaos]]
-kill = "agg-2"
-at_s = 1.0
-restart = false
-"#
+{chaos}"#
+    )
+}
+
+#[test]
+fn a_lost_aggregator_s_layers_move_to_the_survivor_and_training_goes_on() {
+    let dir = scratch("cluster-rebalance");
+    let _cleanup = RemoveOnSuccess(dir.clone());
+    let text = two_aggregator_cluster(
+        "rebalance",
+        "[[chaos]]\nkill = \"agg-2\"\nat_s = 1.0\nrestart = false\n",
     );
     let file = dir.join("rebalance.toml");
     std::fs::write(&file, text).unwrap();
@@ -287,56 +292,14 @@ restart = false
 fn a_layer_moving_back_to_a_restarted_aggregator_is_handed_over_in_two_phases() {
     let dir = scratch("cluster-move-back");
     let _cleanup = RemoveOnSuccess(dir.clone());
-    let steps = if engine::data::locate::shared_mnist_dir().is_some() {
-        800
-    } else {
-        4000
-    };
     // agg-2 is killed at 1 s; its lease (1.5 s) expires and agg-1 takes its layers over
     // (checkpoint hand-over: agg-2 is gone). agg-2 restarts at 4.5 s with its shard file,
     // whose copy of those layers is from a branch of history that has moved on: the layers go
     // back to agg-2, agg-1 releases them with its final version, and agg-2 waits for that
     // hand-over before serving.
-    let text = format!(
-        r#"
-[cluster]
-name = "move-back"
-lease_ms = 1500
-timeout_s = 600
-
-[model]
-model = "mlp"
-dataset = "auto"
-
-[training]
-steps = {steps}
-eval_every = 0
-
-[sync]
-deadline_ms = 300
-drain_timeout_s = 60
-
-[aggregation]
-outer_lr = 0.3
-
-[[aggregators]]
-name = "agg-1"
-
-[[aggregators]]
-name = "agg-2"
-
-[[workers]]
-name = "node-1"
-workers = 2
-
-[[edges]]
-name = "edge-1"
-
-[[chaos]]
-kill = "agg-2"
-at_s = 1.0
-down_s = 3.5
-"#
+    let text = two_aggregator_cluster(
+        "move-back",
+        "[[chaos]]\nkill = \"agg-2\"\nat_s = 1.0\ndown_s = 3.5\n",
     );
     let file = dir.join("move-back.toml");
     std::fs::write(&file, text).unwrap();
