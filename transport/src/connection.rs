@@ -390,6 +390,7 @@ mod tests {
 
     use super::*;
     use crate::test_support::{bind, bounded, cert_dir, connect_pair, delta_ack, layer_delta};
+    use crate::QuicNode;
 
     /// 64 KiB messages at most, so oversized streams are cheap to produce.
     fn small_limit_config() -> TransportConfig {
@@ -563,8 +564,15 @@ mod tests {
         assert_eq!(bounded(from_worker.recv()).await.unwrap(), big);
     }
 
-    #[tokio::test]
-    async fn send_with_timeout_resets_when_the_peer_stops_reading() {
+    /// A worker→aggregator pair with small flow-control windows whose aggregator has not read
+    /// anything yet: its message queue is full, so the next large send blocks on flow
+    /// control. (The temp dir and the nodes must outlive the links.)
+    async fn stalled_pair() -> (
+        tempfile::TempDir,
+        (QuicNode, QuicNode),
+        PeerConnection,
+        PeerConnection,
+    ) {
         let dir = cert_dir(&["worker", "agg"]);
         let config = TransportConfig {
             stream_receive_window: 32 << 10,
@@ -574,11 +582,15 @@ mod tests {
         let worker = bind(dir.path(), "worker", &config);
         let agg = bind(dir.path(), "agg", &config);
         let (to_agg, from_worker) = connect_pair(&worker, &agg, "agg").await;
-
-        // The aggregator does not call recv: its queue fills, then its windows.
         for seq in 0..MAX_UNDELIVERED_MESSAGES as u64 {
             bounded(to_agg.send(&delta_ack(1, seq))).await.unwrap();
         }
+        (dir, (worker, agg), to_agg, from_worker)
+    }
+
+    #[tokio::test]
+    async fn send_with_timeout_resets_when_the_peer_stops_reading() {
+        let (_dir, _nodes, to_agg, from_worker) = stalled_pair().await;
         let big = layer_delta(2, 0, 256 << 10);
         let err = bounded(to_agg.send_with_timeout(&big, Duration::from_millis(300)))
             .await
@@ -601,20 +613,10 @@ mod tests {
         assert!(sent > protocol::HEADER_LEN);
         assert_eq!(bounded(from_worker.recv()).await.unwrap(), delta_ack(3, 0));
     }
+
     #[tokio::test]
     async fn a_cancelled_send_resets_its_stream_instead_of_truncating_it() {
-        let dir = cert_dir(&["worker", "agg"]);
-        let config = TransportConfig {
-            stream_receive_window: 32 << 10,
-            receive_window: 256 << 10,
-            ..TransportConfig::default()
-        };
-        let worker = bind(dir.path(), "worker", &config);
-        let agg = bind(dir.path(), "agg", &config);
-        let (to_agg, from_worker) = connect_pair(&worker, &agg, "agg").await;
-        for seq in 0..MAX_UNDELIVERED_MESSAGES as u64 {
-            bounded(to_agg.send(&delta_ack(1, seq))).await.unwrap();
-        }
+        let (_dir, _nodes, to_agg, from_worker) = stalled_pair().await;
         // The caller gives up on a plain send (its future is dropped mid-write), as a
         // tokio::time::timeout or an aborted task does.
         let big = layer_delta(2, 0, 256 << 10);
