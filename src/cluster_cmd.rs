@@ -875,9 +875,8 @@ async fn run_cluster(
     let mut layer_versions: HashMap<u32, u64> = HashMap::new();
     for p in &aggregators {
         let dir = out.join(&p.name).join("data");
-        let lost = exits
-            .get(&p.name)
-            .is_some_and(|e| e.contains("not restarted"));
+        // `[[chaos]] restart = false` drops the child handle of a process it killed for good.
+        let lost = p.child.is_none();
         if lost {
             if let Some((_, entries)) = shard_file::read(&dir.join("shard.bin"))? {
                 lost_ledger.extend(entries);
