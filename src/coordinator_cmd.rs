@@ -7,8 +7,8 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use coordinator::{CoordinatorConfig, CoordinatorRunConfig, LayerInfo};
-use gpu_worker::cluster_model::{read_toml_with_overrides, ModelSection};
-use gpu_worker::layout::sync_layout;
+use node::cluster_model::{read_toml_with_overrides, ModelSection};
+use node::layout::sync_layout;
 use serde::{Deserialize, Serialize};
 use transport::TransportConfig;
 

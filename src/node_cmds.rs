@@ -104,7 +104,7 @@ pub fn relay(args: ProcessArgs) -> Result<()> {
     } else {
         let text = std::fs::read_to_string(&args.config)
             .with_context(|| format!("reading {}", args.config.display()))?;
-        let text = gpu_worker::cluster_model::apply_overrides(&text, &args.config, &args.set)?;
+        let text = node::cluster_model::apply_overrides(&text, &args.config, &args.set)?;
         let base_dir = args
             .config
             .parent()

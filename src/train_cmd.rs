@@ -7,12 +7,12 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use engine::optim::OptimizerConfig;
 use engine::plan::{ScheduleKind, Strategy, SyncPlan};
-use gpu_worker::link::LinkModel;
 use gpu_worker::planning::{build_plan, PlanInputs};
 use gpu_worker::profile::profile_step;
-use gpu_worker::task::{load_data, resolve_dataset, ModelKind, Task};
 use gpu_worker::trainer::{train, RunReport, TrainConfig};
 use indicatif::{ProgressBar, ProgressStyle};
+use node::link::LinkModel;
+use node::task::{load_data, resolve_dataset, ModelKind, Task};
 
 use crate::cli::TrainArgs;
 

@@ -11,6 +11,7 @@
 
 pub mod backend;
 pub mod bucket;
+pub mod checkpoint;
 pub mod data;
 pub mod fused_reduce;
 pub mod layer;

@@ -1,17 +1,10 @@
-//! dreamddp node runner: one node's N local workers, the intra-node collective they
-//! synchronize through, a link shaper that emulates a slower interconnect, and the
-//! training loop that executes a sync strategy, whose per-step decisions live in the
-//! sans-IO [`sync_machine`].
+//! dreamddp worker node: the sync strategies a node's local workers execute (ssgd, wfbp,
+//! localsgd, dreamddp) — their per-step decisions in the sans-IO [`sync_machine`], the
+//! multi-worker training loop that executes them ([`trainer`]), and the DreamDDP plan built
+//! from a profile measured on this machine ([`planning`], [`profile`]). What every node
+//! shares (task, replica, collectives, config) lives in the `node` crate.
 
-pub mod cluster_model;
-pub mod collective;
-pub mod layout;
-pub mod link;
-pub mod node;
 pub mod planning;
 pub mod profile;
-pub mod replica;
 pub mod sync_machine;
-pub mod task;
-pub mod thread_collective;
 pub mod trainer;

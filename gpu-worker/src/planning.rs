@@ -5,9 +5,9 @@
 use engine::plan::{PlanConfig, PlanError, ScheduleKind, Strategy, SyncPlan};
 use engine::schedule::ModelProfile;
 
-use crate::link::LinkModel;
 use crate::profile::{profile_step, StepProfile};
-use crate::task::Task;
+use node::link::LinkModel;
+use node::task::Task;
 
 /// What [`build_plan`] needs.
 pub struct PlanInputs<'a> {

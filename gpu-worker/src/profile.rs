@@ -10,8 +10,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use crate::link::LinkModel;
-use crate::task::{Batch, Task, TaskData};
+use node::link::LinkModel;
+use node::task::{Batch, Task, TaskData};
 
 /// Measured compute profile of one training step.
 #[derive(Clone, Debug, Serialize)]

@@ -29,7 +29,7 @@ use std::collections::VecDeque;
 
 use engine::plan::{Strategy, SyncPlan};
 
-use crate::collective::ReduceKey;
+use node::collective::ReduceKey;
 
 /// What a collective carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -38,11 +38,11 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::collective::{AbortOnPanic, Collective, CollectiveError, ReduceHandle, ReduceKey};
-use crate::link::LinkModel;
 use crate::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
-use crate::task::{Batch, Task, TaskData};
-use crate::thread_collective::ThreadCollective;
+use node::collective::{AbortOnPanic, Collective, CollectiveError, ReduceHandle, ReduceKey};
+use node::link::LinkModel;
+use node::task::{Batch, Task, TaskData};
+use node::thread_collective::ThreadCollective;
 
 /// Everything that defines one training run on one node.
 #[derive(Clone, Debug)]

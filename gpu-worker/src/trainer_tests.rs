@@ -8,7 +8,7 @@ use engine::plan::{ScheduleKind, Strategy};
 
 use super::*;
 use crate::planning::{build_plan, PlanInputs};
-use crate::task::{ModelKind, Task, TaskData};
+use node::task::{ModelKind, Task, TaskData};
 
 fn digits_task(model: ModelKind) -> Task {
     Task::new(

@@ -350,7 +350,7 @@ pub fn parse_strategy(name: &str) -> Result<Strategy, ClustersError> {
 /// An unknown strategy or a bad `[clusters]` table is an error naming what was wrong.
 pub fn run_clusters(
     scenario: &Scenario,
-    task: &gpu_worker::task::Task,
+    task: &node::task::Task,
     strategy: &str,
     progress: &mut dyn FnMut(f64),
 ) -> Result<StrategyResult, String> {
@@ -360,7 +360,7 @@ pub fn run_clusters(
 /// [`run_clusters`] with a typed error.
 pub fn simulate(
     scenario: &Scenario,
-    task: &gpu_worker::task::Task,
+    task: &node::task::Task,
     strategy: &str,
     progress: &mut dyn FnMut(f64),
 ) -> Result<StrategyResult, ClustersError> {

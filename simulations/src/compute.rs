@@ -24,7 +24,7 @@
 use std::collections::BTreeMap;
 
 use engine::model::Model;
-use gpu_worker::task::{ModelKind, Task};
+use node::task::{ModelKind, Task};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 

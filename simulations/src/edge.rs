@@ -45,7 +45,7 @@ pub use world::{EdgeDiagnostics, SyncMode};
 
 use crate::report::StrategyResult;
 use crate::scenario::Scenario;
-use gpu_worker::task::Task;
+use node::task::Task;
 
 /// Strategies of edge scenarios.
 pub const STRATEGIES: &[&str] = &["elastic", "blocking", "elastic-lossless"];

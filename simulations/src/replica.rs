@@ -1,5 +1,5 @@
-//! A simulated node's model replica is the real one: [`gpu_worker::replica::Replica`] (real
+//! A simulated node's model replica is the real one: [`node::replica::Replica`] (real
 //! forward/backward on real data, per-layer optimizers, its own data shard). Only the *time*
 //! these computations take comes from the compute model.
 
-pub use gpu_worker::replica::Replica;
+pub use node::replica::Replica;

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use engine::staleness::StalenessFn;
-use gpu_worker::cluster_model::{read_toml_with_overrides, ConfigFileError, ModelSection};
+use node::cluster_model::{read_toml_with_overrides, ConfigFileError, ModelSection};
 use protocol::Codec;
 use serde::{Deserialize, Serialize};
 use transport::config::{TransportSection, TransportSectionError};
@@ -132,7 +132,7 @@ impl AggregatorRunConfig {
     }
 
     /// [`Self::load`] with `--set KEY=VALUE` overrides (see
-    /// [`gpu_worker::cluster_model::read_toml_with_overrides`]).
+    /// [`node::cluster_model::read_toml_with_overrides`]).
     pub fn load_with_overrides(
         path: &Path,
         overrides: &[String],
@@ -175,7 +175,7 @@ impl AggregatorRunConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpu_worker::cluster_model::parse_toml;
+    use node::cluster_model::parse_toml;
 
     const GOOD: &str = r#"
 [model]

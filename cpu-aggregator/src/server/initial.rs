@@ -9,8 +9,8 @@
 
 use std::collections::HashMap;
 
-use gpu_worker::cluster_model::ModelSection;
-use gpu_worker::layout::{sync_layout, SyncLayerDef};
+use node::cluster_model::ModelSection;
+use node::layout::{sync_layout, SyncLayerDef};
 
 /// The cluster's sync layout and initial layer values, built on first use.
 #[derive(Debug)]

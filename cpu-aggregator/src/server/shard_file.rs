@@ -100,9 +100,9 @@ pub fn decode(bytes: &[u8]) -> Result<(&[u8], Vec<AppliedEntry>), &'static str> 
 }
 
 /// Writes `bytes` to `path` durably and atomically
-/// ([`gpu_worker::cluster_model::write_file_atomic`]).
+/// ([`node::cluster_model::write_file_atomic`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ShardFileError> {
-    gpu_worker::cluster_model::write_file_atomic(path, bytes).map_err(|source| ShardFileError::Io {
+    node::cluster_model::write_file_atomic(path, bytes).map_err(|source| ShardFileError::Io {
         path: path.to_path_buf(),
         source,
     })

@@ -10,8 +10,8 @@ use protocol::Codec;
 use serde::{Deserialize, Serialize};
 pub use transport::config::{TransportSection, TransportSectionError};
 
-pub use gpu_worker::cluster_model::ModelSection;
-use gpu_worker::cluster_model::{parse_toml, read_toml_with_overrides, ConfigFileError};
+pub use node::cluster_model::ModelSection;
+use node::cluster_model::{parse_toml, read_toml_with_overrides, ConfigFileError};
 
 /// Identity and addresses of one process.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -277,7 +277,7 @@ impl NodeRunConfig {
     }
 
     /// [`Self::load`] with `--set KEY=VALUE` overrides (see
-    /// [`gpu_worker::cluster_model::read_toml_with_overrides`]).
+    /// [`node::cluster_model::read_toml_with_overrides`]).
     pub fn load_with_overrides(path: &Path, overrides: &[String]) -> Result<Self, NodeConfigError> {
         let config: NodeRunConfig = read_toml_with_overrides(path, overrides)?;
         config.validate()?;

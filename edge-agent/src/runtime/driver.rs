@@ -10,8 +10,8 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Instant;
 
 use engine::model::Model;
-use gpu_worker::layout::SyncLayerDef;
-use gpu_worker::node::LeaderHook;
+use node::layout::SyncLayerDef;
+use node::training::LeaderHook;
 use protocol::{Message, NodeStats, Role};
 use tracing::{debug, error, info, warn};
 

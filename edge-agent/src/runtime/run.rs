@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use engine::lr::LrSchedule;
 use engine::model::Model;
 use engine::optim::OptimizerConfig;
-use gpu_worker::layout::{sync_layout, SyncLayerDef};
-use gpu_worker::node::{run_node_training, LeaderHook, NodeTrainConfig};
-use gpu_worker::task::Task;
+use node::layout::{sync_layout, SyncLayerDef};
+use node::task::Task;
+use node::training::{run_node_training, LeaderHook, NodeTrainConfig};
 use protocol::{Capabilities, Role};
 use serde::Serialize;
 use tracing::{info, warn};
@@ -104,7 +104,7 @@ pub fn next_incarnation(dir: &Path) -> Result<u64, NodeRunError> {
         Err(e) => return Err(io(e)),
     };
     let next = previous + 1;
-    gpu_worker::cluster_model::write_file_atomic(&path, next.to_string().as_bytes()).map_err(io)?;
+    node::cluster_model::write_file_atomic(&path, next.to_string().as_bytes()).map_err(io)?;
     Ok(next)
 }
 

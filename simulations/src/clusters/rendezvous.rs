@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use gpu_worker::collective::ReduceKey;
+use node::collective::ReduceKey;
 
 use crate::time::SimTime;
 

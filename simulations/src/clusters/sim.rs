@@ -44,9 +44,9 @@ use engine::model::Model;
 use engine::optim::OptimizerConfig;
 use engine::plan::{PlanConfig, Strategy, SyncPlan};
 use engine::schedule::{LayerProfile, ModelProfile};
-use gpu_worker::collective::ReduceKey;
 use gpu_worker::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
-use gpu_worker::task::Task;
+use node::collective::ReduceKey;
+use node::task::Task;
 
 use crate::compute::{layer_costs, StepTimes};
 use crate::replica::Replica;

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use gpu_worker::task::{load_data, ModelKind, Task};
+use node::task::{load_data, ModelKind, Task};
 
 use super::*;
 use crate::compute::DeviceClass;

@@ -509,7 +509,7 @@ impl EdgeSpec {
 mod tests {
     use std::path::Path;
 
-    use gpu_worker::task::{load_data, ModelKind, Task};
+    use node::task::{load_data, ModelKind, Task};
 
     use crate::compute::{layer_costs, DeviceClass};
     use crate::edge::run_edge;

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use gpu_worker::task::{load_data, ModelKind, Task};
+use node::task::{load_data, ModelKind, Task};
 
 use super::*;
 

@@ -24,7 +24,7 @@ use engine::lr::LrSchedule;
 use engine::model::Model;
 use engine::optim::OptimizerConfig;
 use engine::staleness::StalenessFn;
-use gpu_worker::task::Task;
+use node::task::Task;
 use protocol::{encode_frame, payload_from_f32, LayerMeta, Message};
 
 use super::ledger::{DeltaKey, Ledger, LedgerCheck};

@@ -1,0 +1,21 @@
+//! What every dreamddp training node shares, whatever its role (GPU/CPU worker node, edge
+//! agent) and what the aggregators and the simulator need of it:
+//!
+//! * [`cluster_model`]: the `[model]` section of every process config, config reading with
+//!   `--set` overrides, durable (atomic) file writes;
+//! * [`layout`]: the sync layout (model layer → wire `layer_id`);
+//! * [`task`]: what a node trains (model + data + defaults);
+//! * [`replica`]: one model replica with its optimizers and data shard;
+//! * [`collective`], [`thread_collective`], [`link`]: the intra-node collective contract, its
+//!   thread backend and the link model that shapes it;
+//! * [`training`]: a node's N-worker training loop with the leader hook through which it
+//!   talks to the rest of the cluster.
+
+pub mod cluster_model;
+pub mod collective;
+pub mod layout;
+pub mod link;
+pub mod replica;
+pub mod task;
+pub mod thread_collective;
+pub mod training;
