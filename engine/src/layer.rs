@@ -47,7 +47,10 @@ impl Param {
 /// A layer of a model. `forward` with `train = true` caches what `backward` needs;
 /// `backward` **overwrites** each parameter's `grad` with the gradient of this batch and
 /// returns the gradient w.r.t. the layer's input.
-pub trait Layer: Send {
+///
+/// `Any` is a supertrait so another backend (the `tch` crate) can read a layer's
+/// configuration (`&dyn Layer` upcasts to `&dyn Any`, then `downcast_ref::<Conv2d>()`).
+pub trait Layer: Send + std::any::Any {
     /// Short type name, e.g. `linear`, `conv2d`, `block`.
     fn kind(&self) -> &'static str;
     /// Computes the output for `input`.

@@ -1,0 +1,100 @@
+//! The build without libtorch: the public API of the backend, every constructor refusing
+//! with [`TchBackendError::NotBuilt`].
+
+use std::convert::Infallible;
+
+use engine::model::{LayerInfo, Model};
+use engine::optim::OptimizerConfig;
+use engine::replica::{ModelReplica, ReplicaError, UnitMut};
+use engine::tensor::Tensor;
+
+use crate::{BackwardTiming, TchBackendError};
+
+/// The libtorch replica; in this build it cannot be constructed (no value exists).
+pub struct TchReplica {
+    never: Infallible,
+}
+
+impl TchReplica {
+    /// Always [`TchBackendError::NotBuilt`] in this build.
+    ///
+    /// # Errors
+    /// Always.
+    pub fn from_model(
+        _model: &Model,
+        _optimizer: &OptimizerConfig,
+        _device: &str,
+    ) -> Result<TchReplica, TchBackendError> {
+        Err(TchBackendError::NotBuilt)
+    }
+}
+
+impl ModelReplica for TchReplica {
+    fn backend(&self) -> &'static str {
+        match self.never {}
+    }
+
+    fn unit_infos(&self) -> Vec<LayerInfo> {
+        match self.never {}
+    }
+
+    fn layer_names(&self) -> Vec<String> {
+        match self.never {}
+    }
+
+    fn forward_backward(
+        &mut self,
+        _input: &Tensor,
+        _targets: &[usize],
+        _on_unit_ready: &mut dyn FnMut(usize, &mut dyn UnitMut),
+    ) -> Result<f32, ReplicaError> {
+        match self.never {}
+    }
+
+    fn with_unit(&mut self, _index: usize, _f: &mut dyn FnMut(&mut dyn UnitMut)) {
+        match self.never {}
+    }
+
+    fn flat_values(&self) -> Vec<f32> {
+        match self.never {}
+    }
+
+    fn set_flat_values(&mut self, _flat: &[f32]) {
+        match self.never {}
+    }
+}
+
+/// Always [`TchBackendError::NotBuilt`] in this build.
+///
+/// # Errors
+/// Always.
+pub fn check_device(_device: &str) -> Result<(), TchBackendError> {
+    Err(TchBackendError::NotBuilt)
+}
+
+/// Always [`TchBackendError::NotBuilt`] in this build.
+///
+/// # Errors
+/// Always.
+pub fn measure_backward(
+    _model: &Model,
+    _input: &Tensor,
+    _targets: &[usize],
+    _reps: usize,
+) -> Result<BackwardTiming, TchBackendError> {
+    Err(TchBackendError::NotBuilt)
+}
+
+/// Always [`TchBackendError::NotBuilt`] in this build.
+///
+/// # Errors
+/// Always.
+pub fn measure_backward_on(
+    _model: &Model,
+    _input: &Tensor,
+    _targets: &[usize],
+    _reps: usize,
+    _device: &str,
+) -> Result<BackwardTiming, TchBackendError> {
+    Err(TchBackendError::NotBuilt)
+}
