@@ -9,7 +9,8 @@
 # work. This script therefore installs, with --no-deps:
 #   * torch itself,
 #   * exactly the nvidia-* runtime wheels whose libraries the dynamic linker must find,
-#   * the pure-Python packages `import torch` needs.
+#   * the pure-Python packages `import torch` needs, and `safetensors` (the checkpoint test
+#     loads dreamddp's checkpoints with `safetensors.torch`).
 # It skips what the full dependency list adds on top (triton, cuda-bindings, cuda-toolkit,
 # cusolver, nvtx, setuptools), none of which CPU training touches.
 #
@@ -46,6 +47,7 @@ PURE_WHEELS=(
     networkx==3.6.1
     sympy==1.14.0
     mpmath==1.3.0
+    safetensors==0.8.0
 )
 
 ROOT=${DREAMDDP_TORCH_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dreamddp/torch}
@@ -59,7 +61,7 @@ log() { echo "[install_torch] $*" >&2; }
 import_check() {
     # Hide any GPU so the check only proves the CPU path works.
     CUDA_VISIBLE_DEVICES="" "$VPY" -c \
-        'import torch; x = torch.ones(2, 2); assert float((x @ x).sum()) == 8.0; print(torch.__version__)'
+        'import torch, safetensors.torch; x = torch.ones(2, 2); assert float((x @ x).sum()) == 8.0; print(torch.__version__)'
 }
 
 if [[ -f $STAMP ]] && version=$(import_check 2>/dev/null); then

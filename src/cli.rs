@@ -143,6 +143,19 @@ pub struct TrainArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Compute backend of the replicas: `builtin` (CPU engine) or `tch` (libtorch; needs a
+    /// build with `--features tch`).
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// Device of the tch backend: `cpu` or `cuda:N`.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Start from this checkpoint (safetensors with PyTorch names, e.g. from `--save`).
+    #[arg(long)]
+    pub load: Option<PathBuf>,
+    /// Write the final model here as safetensors with PyTorch names (`fc1.weight`, …).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
 }
 
 /// The TOML form of [`TrainArgs`]; unknown keys are errors that name the key.
@@ -170,6 +183,10 @@ pub struct TrainFile {
     compare: Option<bool>,
     strategies: Option<String>,
     out: Option<PathBuf>,
+    backend: Option<String>,
+    device: Option<String>,
+    load: Option<PathBuf>,
+    save: Option<PathBuf>,
 }
 
 impl TrainArgs {
@@ -204,7 +221,11 @@ impl TrainArgs {
             eval_every,
             eval_limit,
             strategies,
-            out
+            out,
+            backend,
+            device,
+            load,
+            save
         );
         self.compare |= f.compare.unwrap_or(false);
         self.bubble_fill |= f.bubble_fill.unwrap_or(false);

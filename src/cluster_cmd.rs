@@ -916,6 +916,12 @@ async fn run_cluster(
         });
     }
     let eval = task.evaluate(&mut eval_model, None);
+    // The global model, readable by PyTorch (`safetensors.torch.load_file`).
+    let global_path = out.join("global.safetensors");
+    let meta = BTreeMap::from([("dreamddp.dataset".to_string(), task.dataset.clone())]);
+    let bytes = engine::checkpoint::to_safetensors(&eval_model, &meta)?;
+    node::cluster_model::write_file_atomic(&global_path, &bytes)
+        .with_context(|| format!("cannot write {}", global_path.display()))?;
     ledger.sort();
     let ledger_duplicates = ledger.windows(2).filter(|w| w[0] == w[1]).count() as u64;
     let reapplied_after_loss = lost_ledger
@@ -961,7 +967,11 @@ async fn run_cluster(
         out.join("summary.json"),
         serde_json::to_string_pretty(&summary)?,
     )?;
-    println!("wrote {}", out.join("summary.json").display());
+    println!(
+        "wrote {} and the global model {}",
+        out.join("summary.json").display(),
+        global_path.display()
+    );
     Ok(summary)
 }
 

@@ -1,16 +1,20 @@
 //! `dreamddp train` and `dreamddp plan`: resolve flags into a task, a config and a sync
 //! plan; train with a progress bar; print and write the summary.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
+use engine::checkpoint;
 use engine::optim::OptimizerConfig;
 use engine::plan::{ScheduleKind, Strategy, SyncPlan};
 use gpu_worker::planning::{build_plan, PlanInputs};
 use gpu_worker::profile::profile_step;
 use gpu_worker::trainer::{train, RunReport, TrainConfig};
 use indicatif::{ProgressBar, ProgressStyle};
+use node::backend::Backend;
 use node::link::LinkModel;
 use node::task::{load_data, resolve_dataset, ModelKind, Task};
 
@@ -79,6 +83,19 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         },
         Some(o) => bail!("unknown --optimizer '{o}'; expected sgd or adamw"),
     };
+    let backend = Backend::parse(
+        args.backend.as_deref().unwrap_or("builtin"),
+        args.device.as_deref().unwrap_or("cpu"),
+    )?;
+    backend.probe()?;
+    let initial_values = match &args.load {
+        None => None,
+        Some(path) => Some(Arc::new(load_checkpoint(
+            &task,
+            args.seed.unwrap_or(0),
+            path,
+        )?)),
+    };
     let overrides = parse_overrides(args.layer_period.as_deref().unwrap_or(""))?;
     let workers = args.workers.unwrap_or(4);
     let batch = args.batch.unwrap_or(d.batch);
@@ -111,6 +128,8 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         seed,
         eval_every: args.eval_every.unwrap_or(d.eval_every),
         eval_limit: args.eval_limit,
+        backend,
+        initial_values,
     };
     let period = args.period.unwrap_or(4);
     Ok(Resolved {
@@ -123,6 +142,38 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         profile,
         link_spec,
     })
+}
+
+/// Reads a safetensors checkpoint for `task`'s model; errors name the file and what did not fit.
+pub fn load_checkpoint(task: &Task, seed: u64, path: &Path) -> Result<Vec<f32>> {
+    let bytes = std::fs::read(path)
+        .with_context(|| format!("cannot read checkpoint {}", path.display()))?;
+    let mut model = task.build_model(seed);
+    checkpoint::load_safetensors(&mut model, &bytes)
+        .with_context(|| format!("cannot load checkpoint {}", path.display()))?;
+    tracing::info!("starting from checkpoint {}", path.display());
+    Ok(model.flat_values())
+}
+
+/// Writes `values` (a `Model::flat_values` of `task`'s model) as a safetensors checkpoint,
+/// atomically.
+pub fn save_checkpoint(
+    task: &Task,
+    values: &[f32],
+    path: &Path,
+    meta: BTreeMap<String, String>,
+) -> Result<()> {
+    let mut model = task.build_model(0);
+    engine::replica::set_model_flat_values(&mut model, values);
+    let mut meta = meta;
+    meta.insert("dreamddp.dataset".into(), task.dataset.clone());
+    let bytes = checkpoint::to_safetensors(&model, &meta)?;
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    node::cluster_model::write_file_atomic(path, &bytes)
+        .with_context(|| format!("cannot write checkpoint {}", path.display()))
 }
 
 fn parse_overrides(s: &str) -> Result<Vec<(String, u64)>> {
@@ -245,16 +296,22 @@ pub fn run(args: TrainArgs) -> Result<()> {
     }
     let r = resolve(&args)?;
     tracing::info!(
-        "training {} on {} with {} workers, strategy {}, period {}, link {}",
+        "training {} on {} with {} workers ({}), strategy {}, period {}, link {}",
         r.task.model.name(),
         r.task.dataset,
         r.cfg.workers,
+        r.cfg.backend,
         r.cfg.strategy,
         r.period,
         r.cfg.link
     );
     let report = train_one(&r, r.cfg.strategy, args.quiet)?;
     println!("{}", summary_line(&report));
+    if let Some(path) = &args.save {
+        let meta = BTreeMap::from([("dreamddp.strategy".to_string(), report.strategy.clone())]);
+        save_checkpoint(&r.task, &report.final_values, path, meta)?;
+        println!("checkpoint written to {}", path.display());
+    }
     if let Some(out) = &args.out {
         write_json(out, &report)?;
         println!("summary written to {}", out.display());

@@ -216,3 +216,43 @@ fn process_configs_take_set_overrides_and_a_bad_value_names_its_key() {
     assert!(!o.status.success());
     assert!(text(&o).contains("sync.codec"), "{}", text(&o));
 }
+
+#[test]
+fn a_gpu_or_backend_that_is_not_here_is_a_clear_error_not_a_panic() {
+    // Built without libtorch: the tch backend says how to get it; built with it on a machine
+    // without CUDA: it says CUDA is missing.
+    let o = dreamddp(&[
+        "train",
+        "--quiet",
+        "--dataset",
+        "digits",
+        "--steps",
+        "2",
+        "--backend",
+        "tch",
+        "--device",
+        "cuda:0",
+    ]);
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(!t.contains("panicked"), "{t}");
+    assert!(
+        t.contains("--features tch") || t.contains("CUDA"),
+        "the error names neither the missing feature nor CUDA: {t}"
+    );
+    let o = dreamddp(&[
+        "train",
+        "--quiet",
+        "--dataset",
+        "digits",
+        "--steps",
+        "2",
+        "--device",
+        "cuda:0",
+    ]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--backend tch"), "{}", text(&o));
+    let o = dreamddp(&["train", "--quiet", "--steps", "2", "--backend", "torch"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("unknown backend `torch`"), "{}", text(&o));
+}

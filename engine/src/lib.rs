@@ -22,6 +22,7 @@ pub mod model;
 pub mod models;
 pub mod optim;
 pub mod plan;
+pub mod replica;
 pub mod schedule;
 pub mod staleness;
 pub mod tensor;

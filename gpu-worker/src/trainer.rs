@@ -28,17 +28,18 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
 
 use engine::data::sampler::ShardedSampler;
-use engine::loss::softmax_cross_entropy;
 use engine::lr::LrSchedule;
-use engine::model::{Model, NamedLayer};
-use engine::optim::{LayerOptimizer, OptimizerConfig};
+use engine::model::Model;
+use engine::optim::OptimizerConfig;
 use engine::plan::{Strategy, SyncPlan};
+use engine::replica::{set_model_flat_values, ModelReplica, ReplicaError, UnitData, UnitMut};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use thiserror::Error;
 
 use crate::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
+use node::backend::{Backend, BackendError};
 use node::collective::{AbortOnPanic, Collective, CollectiveError, ReduceHandle, ReduceKey};
 use node::link::LinkModel;
 use node::task::{Batch, Task, TaskData};
@@ -69,6 +70,11 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Cap on test examples (images) or validation batches (chars) per evaluation.
     pub eval_limit: Option<usize>,
+    /// Compute backend of every replica.
+    pub backend: Backend,
+    /// Starting weights (a vector made by `Model::flat_values`, e.g. from `--load`) instead of
+    /// the seed's initial weights.
+    pub initial_values: Option<Arc<Vec<f32>>>,
 }
 
 /// Errors that stop a training run.
@@ -93,6 +99,19 @@ pub enum TrainError {
     /// Bad configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The backend could not build a replica (not compiled in, no device, unsupported model).
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// A batch did not fit the model or the backend failed mid-step.
+    #[error("worker {rank} at step {step}: {source}")]
+    Replica {
+        /// Worker.
+        rank: usize,
+        /// Step.
+        step: u64,
+        /// What went wrong.
+        source: ReplicaError,
+    },
 }
 
 /// One point of the learning curve (measured on worker 0's replica).
@@ -117,6 +136,8 @@ pub struct CurvePoint {
 pub struct RunReport {
     /// Strategy name.
     pub strategy: String,
+    /// Compute backend and device (`builtin on cpu`, `tch on cuda:0`).
+    pub backend: String,
     /// Model name.
     pub model: String,
     /// Data set name.
@@ -147,6 +168,10 @@ pub struct RunReport {
     pub per_layer_syncs: BTreeMap<String, u64>,
     /// Learning curve.
     pub curve: Vec<CurvePoint>,
+    /// The final model (the average of the replicas) as `Model::flat_values`; what `--save`
+    /// writes. Not part of the JSON summary.
+    #[serde(skip)]
+    pub final_values: Vec<f32>,
 }
 
 struct Shared {
@@ -270,10 +295,12 @@ pub fn train(
             * cfg.workers as u64;
     }
     let eval = task.evaluate(&mut model, cfg.eval_limit);
+    let final_values = avg;
     let train_seconds = results.iter().map(|r| r.train_seconds).sum::<f64>() / results.len() as f64;
     let curve = std::mem::take(&mut *shared.curve.lock().unwrap_or_else(|p| p.into_inner()));
     Ok(RunReport {
         strategy: cfg.strategy.to_string(),
+        backend: cfg.backend.to_string(),
         model: task.model.name().to_string(),
         dataset: task.dataset.clone(),
         workers: cfg.workers,
@@ -289,6 +316,7 @@ pub fn train(
         mean_step_ms: train_seconds * 1e3 / cfg.steps as f64,
         per_layer_syncs: results[0].syncs.clone(),
         curve,
+        final_values,
     })
 }
 
@@ -318,24 +346,18 @@ struct SyncExecutor<'a> {
 }
 
 impl SyncExecutor<'_> {
-    /// Runs `action`; `layer` is the model layer it names ([`SyncAction::layer`]).
+    /// Runs `action`; `unit` is the sync unit it names ([`SyncAction::layer`]).
     fn execute(
         &mut self,
         action: SyncAction,
-        layer: Option<&mut NamedLayer>,
-        opts: &mut [Option<LayerOptimizer>],
+        unit: Option<&mut dyn UnitMut>,
         lr: f32,
     ) -> Result<(), CollectiveError> {
         match action {
             SyncAction::Stage { key, kind, .. } => {
-                let layer = layer.expect("a staged layer");
+                let unit = unit.expect("a staged layer");
                 let buf = self.staging.entry(key).or_default();
-                for p in layer.layer.params() {
-                    buf.extend_from_slice(match kind {
-                        SyncKind::Gradients => &p.grad,
-                        SyncKind::Parameters => &p.value,
-                    });
-                }
+                unit.append_to(unit_data(kind), buf);
             }
             SyncAction::Launch { key, layers, .. } => {
                 let buf = self.staging.remove(&key).unwrap_or_default();
@@ -373,24 +395,15 @@ impl SyncExecutor<'_> {
                 key,
                 layer: index,
                 offset,
+                len,
                 kind,
-                ..
             } => {
-                let layer = layer.expect("an applied layer");
+                let unit = unit.expect("an applied layer");
                 let landed = self
                     .landed
                     .get_mut(&key)
                     .expect("the machine applies only waited collectives");
-                let mut off = offset;
-                for p in layer.layer.params_mut() {
-                    let n = p.value.len();
-                    let dst = match kind {
-                        SyncKind::Gradients => &mut p.grad,
-                        SyncKind::Parameters => &mut p.value,
-                    };
-                    dst.copy_from_slice(&landed.values[off..off + n]);
-                    off += n;
-                }
+                unit.write_from(unit_data(kind), &landed.values[offset..offset + len]);
                 landed.slices_left -= 1;
                 if landed.slices_left == 0 {
                     self.landed.remove(&key);
@@ -402,42 +415,57 @@ impl SyncExecutor<'_> {
                         .or_default() += 1;
                 }
             }
-            SyncAction::StepLayer { layer: index } => {
-                step_layer(opts, index, layer.expect("a stepped layer"), lr);
+            SyncAction::StepLayer { .. } => {
+                unit.expect("a stepped layer").step(lr);
             }
         }
         Ok(())
     }
 
-    /// Runs every pending action of `machine` that touches any layer of `model`.
+    /// Runs every pending action of `machine` on `replica` (outside backward).
     fn drain(
         &mut self,
         machine: &mut WorkerSyncMachine,
-        model: &mut Model,
-        opts: &mut [Option<LayerOptimizer>],
+        replica: &mut dyn ModelReplica,
         lr: f32,
     ) -> Result<(), CollectiveError> {
         while let Some(action) = machine.poll() {
-            let layer = action.layer().map(|l| &mut model.layers[l]);
-            self.execute(action, layer, opts, lr)?;
+            match action.layer() {
+                Some(l) => {
+                    let mut result = Ok(());
+                    let mut action = Some(action);
+                    replica.with_unit(l, &mut |unit| {
+                        if let Some(a) = action.take() {
+                            result = self.execute(a, Some(unit), lr);
+                        }
+                    });
+                    result?;
+                }
+                None => self.execute(action, None, lr)?,
+            }
         }
         Ok(())
+    }
+}
+
+fn unit_data(kind: SyncKind) -> UnitData {
+    match kind {
+        SyncKind::Gradients => UnitData::Grads,
+        SyncKind::Parameters => UnitData::Values,
     }
 }
 
 fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
     let cfg = &sh.cfg;
     let task = &sh.task;
-    let mut model = task.build_model(cfg.seed);
-    let infos = model.layer_infos();
-    let mut opts: Vec<Option<LayerOptimizer>> = model
-        .layers
-        .iter()
-        .map(|l| {
-            (!l.layer.params().is_empty())
-                .then(|| LayerOptimizer::new(&cfg.optimizer, l.layer.params()))
-        })
-        .collect();
+    let mut replica = cfg.backend.build_replica(task, cfg.seed, &cfg.optimizer)?;
+    if let Some(values) = &cfg.initial_values {
+        replica.set_flat_values(values);
+    }
+    let infos = replica.unit_infos();
+    // Evaluation runs the built-in engine on a copy of the replica's values (every backend
+    // shares its parameter layout).
+    let mut eval_model = (rank == 0 && cfg.eval_every > 0).then(|| task.build_model(cfg.seed));
     let schedule = LrSchedule {
         base_lr: cfg.lr,
         warmup_steps: cfg.warmup,
@@ -450,7 +478,7 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         cfg.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)),
     );
     let mut batch = Batch::default();
-    let layer_names: Vec<String> = model.layers.iter().map(|l| l.name.clone()).collect();
+    let layer_names = replica.layer_names();
     let mut machine = WorkerSyncMachine::new(&sh.plan);
     let mut exec = SyncExecutor {
         rank,
@@ -474,41 +502,39 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
 
         let t0 = Instant::now();
         machine.begin_step(step);
-        let logits = model.forward(&batch.input, true);
-        let (loss, grad) = softmax_cross_entropy(&logits, &batch.targets);
-        if !loss.is_finite() {
-            return Err(TrainError::Diverged { step, rank, loss });
-        }
-        loss_sum += loss as f64;
-        loss_count += 1;
-
-        // The machine's per-layer actions touch only the layer of the hook, so they run
+        // The machine's per-layer actions touch only the unit of the hook, so they run
         // inside it: a launch overlaps the rest of backward, a wait blocks it.
         let mut hook_error: Option<CollectiveError> = None;
-        {
+        let loss = {
             let machine = &mut machine;
             let exec = &mut exec;
-            let opts = &mut opts;
             let hook_error = &mut hook_error;
-            let mut hook = |idx: usize, layer: &mut NamedLayer| {
+            let mut hook = |idx: usize, unit: &mut dyn UnitMut| {
                 machine.layer_grads_ready(idx);
                 while let Some(action) = machine.poll() {
                     if hook_error.is_some() {
                         continue;
                     }
                     debug_assert!(action.layer().is_none_or(|l| l == idx));
-                    if let Err(e) = exec.execute(action, Some(&mut *layer), opts, lr) {
+                    if let Err(e) = exec.execute(action, Some(&mut *unit), lr) {
                         *hook_error = Some(e);
                     }
                 }
             };
-            model.backward_with_hook(&grad, &mut hook);
-        }
+            replica
+                .forward_backward(&batch.input, &batch.targets, &mut hook)
+                .map_err(|source| TrainError::Replica { rank, step, source })?
+        };
         if let Some(e) = hook_error {
             return Err(e.into());
         }
+        if !loss.is_finite() {
+            return Err(TrainError::Diverged { step, rank, loss });
+        }
+        loss_sum += loss as f64;
+        loss_count += 1;
         machine.backward_done();
-        exec.drain(&mut machine, &mut model, &mut opts, lr)?;
+        exec.drain(&mut machine, replica.as_mut(), lr)?;
         train_seconds += t0.elapsed().as_secs_f64();
         if rank == 0 {
             (sh.progress)(step + 1, loss);
@@ -517,8 +543,9 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         let last = step + 1 == cfg.steps;
         if cfg.eval_every > 0 && ((step + 1) % cfg.eval_every == 0 || last) {
             sh.barrier.wait();
-            if rank == 0 {
-                let eval = task.evaluate(&mut model, cfg.eval_limit);
+            if let Some(model) = eval_model.as_mut() {
+                set_model_flat_values(model, &replica.flat_values());
+                let eval = task.evaluate(model, cfg.eval_limit);
                 let bytes: u64 = (0..cfg.workers).map(|r| sh.collective.bytes_sent(r)).sum();
                 let point = CurvePoint {
                     step: step + 1,
@@ -541,10 +568,10 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
     // DreamDDP: land the averages still in flight after the last step.
     let drain_started = Instant::now();
     machine.finish();
-    exec.drain(&mut machine, &mut model, &mut opts, 0.0)?;
+    exec.drain(&mut machine, replica.as_mut(), 0.0)?;
     train_seconds += drain_started.elapsed().as_secs_f64();
     Ok(WorkerResult {
-        final_params: model.flat_values(),
+        final_params: replica.flat_values(),
         train_seconds,
         syncs: exec.syncs,
     })
@@ -570,22 +597,9 @@ fn log_sync(
     );
 }
 
-fn step_layer(opts: &mut [Option<LayerOptimizer>], idx: usize, layer: &mut NamedLayer, lr: f32) {
-    if let Some(opt) = opts[idx].as_mut() {
-        opt.step(layer.layer.params_mut(), lr);
-    }
-}
-
 /// Writes a vector made by [`Model::flat_values`] back into the model.
 pub fn set_flat_values(model: &mut Model, flat: &[f32]) {
-    let mut off = 0;
-    for i in 0..model.layers.len() {
-        let n: usize = model.layers[i].layer.params().iter().map(|p| p.len()).sum();
-        if n > 0 {
-            model.set_layer_values(i, &flat[off..off + n]);
-            off += n;
-        }
-    }
+    set_model_flat_values(model, flat);
 }
 
 #[cfg(test)]

@@ -36,6 +36,8 @@ fn config(strategy: Strategy, steps: u64) -> TrainConfig {
         seed: 7,
         eval_every: 0,
         eval_limit: None,
+        backend: node::backend::Backend::Builtin,
+        initial_values: None,
     }
 }
 

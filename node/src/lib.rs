@@ -1,6 +1,7 @@
 //! What every dreamddp training node shares, whatever its role (GPU/CPU worker node, edge
 //! agent) and what the aggregators and the simulator need of it:
 //!
+//! * [`backend`]: which compute backend (built-in, tch) a node's replicas run on;
 //! * [`cluster_model`]: the `[model]` section of every process config, config reading with
 //!   `--set` overrides, durable (atomic) file writes;
 //! * [`layout`]: the sync layout (model layer → wire `layer_id`);
@@ -11,6 +12,7 @@
 //! * [`training`]: a node's N-worker training loop with the leader hook through which it
 //!   talks to the rest of the cluster.
 
+pub mod backend;
 pub mod cluster_model;
 pub mod collective;
 pub mod layout;

@@ -1,0 +1,202 @@
+//! The replica seam: what a trainer, a node and a sync machine's executor need of one model
+//! replica, whatever compute backend runs it.
+//!
+//! This module owns the contract ([`ModelReplica`]: forward + backward of a batch that hands
+//! over each sync unit the moment its gradient is ready, output head first; the unit's flat
+//! `f32` parameters and gradients; an optimizer step per unit) and its built-in
+//! implementation [`BuiltinReplica`] (the CPU engine's [`Model`] with per-layer
+//! optimizers). The `tch` crate implements the same trait over libtorch. A unit is a
+//! parameterized layer, identified by its index in the model's layer list (the `index` of
+//! [`LayerInfo`]); its flat vector is its parameter tensors concatenated in order, row-major,
+//! with PyTorch's layouts, so two backends exchange units without knowing of each other.
+
+use thiserror::Error;
+
+use crate::loss::try_softmax_cross_entropy;
+use crate::model::{LayerInfo, Model, NamedLayer};
+use crate::optim::{LayerOptimizer, OptimizerConfig};
+use crate::tensor::Tensor;
+
+/// Which half of a unit's state a read or write touches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnitData {
+    /// The gradients of the last backward.
+    Grads,
+    /// The parameter values.
+    Values,
+}
+
+/// Why a forward/backward could not run.
+#[derive(Debug, Error)]
+pub enum ReplicaError {
+    /// The batch does not fit the model (shapes, targets out of range).
+    #[error("batch does not fit the model: {0}")]
+    Batch(String),
+    /// The backend failed (e.g. a libtorch error).
+    #[error("{backend} backend: {message}")]
+    Backend {
+        /// Backend name.
+        backend: &'static str,
+        /// What it said.
+        message: String,
+    },
+}
+
+/// One sync unit during backward or between steps: read or write its flat state, step it.
+pub trait UnitMut {
+    /// Appends the unit's gradients or values (its tensors in order) to `out`.
+    fn append_to(&self, what: UnitData, out: &mut Vec<f32>);
+    /// Overwrites the unit's gradients or values from `src` (exactly the unit's length).
+    fn write_from(&mut self, what: UnitData, src: &[f32]);
+    /// Runs the unit's optimizer with its current gradients at learning rate `lr`.
+    fn step(&mut self, lr: f32);
+}
+
+/// One model replica with its optimizer state (see the module doc).
+pub trait ModelReplica: Send {
+    /// Backend name (`builtin`, `tch`).
+    fn backend(&self) -> &'static str;
+    /// The sync units (parameterized layers) in forward order.
+    fn unit_infos(&self) -> Vec<LayerInfo>;
+    /// Names of every layer, by layer index (units and parameter-free layers).
+    fn layer_names(&self) -> Vec<String>;
+    /// Forward and backward of one batch with softmax cross-entropy (mean over rows) against
+    /// `targets`; `on_unit_ready(index, unit)` runs for each unit the moment its gradient is
+    /// ready, output head first. Returns the loss.
+    fn forward_backward(
+        &mut self,
+        input: &Tensor,
+        targets: &[usize],
+        on_unit_ready: &mut dyn FnMut(usize, &mut dyn UnitMut),
+    ) -> Result<f32, ReplicaError>;
+    /// Calls `f` with unit `index` (outside backward: landing averages, stepping late units).
+    fn with_unit(&mut self, index: usize, f: &mut dyn FnMut(&mut dyn UnitMut));
+    /// Every unit's values, in forward order, concatenated (the layout of [`Model::flat_values`]).
+    fn flat_values(&self) -> Vec<f32>;
+    /// Overwrites every unit's values from a vector made by [`Self::flat_values`].
+    fn set_flat_values(&mut self, flat: &[f32]);
+}
+
+/// A unit of the built-in engine: the layer and its optimizer.
+struct BuiltinUnit<'a> {
+    layer: &'a mut NamedLayer,
+    opt: Option<&'a mut LayerOptimizer>,
+}
+
+impl UnitMut for BuiltinUnit<'_> {
+    fn append_to(&self, what: UnitData, out: &mut Vec<f32>) {
+        for p in self.layer.layer.params() {
+            out.extend_from_slice(match what {
+                UnitData::Grads => &p.grad,
+                UnitData::Values => &p.value,
+            });
+        }
+    }
+
+    fn write_from(&mut self, what: UnitData, src: &[f32]) {
+        let mut off = 0;
+        for p in self.layer.layer.params_mut() {
+            let dst = match what {
+                UnitData::Grads => &mut p.grad,
+                UnitData::Values => &mut p.value,
+            };
+            let n = dst.len();
+            dst.copy_from_slice(&src[off..off + n]);
+            off += n;
+        }
+        debug_assert_eq!(off, src.len(), "unit {} flat length", self.layer.name);
+    }
+
+    fn step(&mut self, lr: f32) {
+        if let Some(opt) = self.opt.as_deref_mut() {
+            opt.step(self.layer.layer.params_mut(), lr);
+        }
+    }
+}
+
+/// The built-in CPU engine behind the seam: a [`Model`] and one optimizer per unit.
+pub struct BuiltinReplica {
+    /// The model.
+    pub model: Model,
+    opts: Vec<Option<LayerOptimizer>>,
+}
+
+impl BuiltinReplica {
+    /// A replica of `model` with a fresh `optimizer` per parameterized layer.
+    pub fn new(model: Model, optimizer: &OptimizerConfig) -> Self {
+        let opts = model
+            .layers
+            .iter()
+            .map(|l| {
+                (!l.layer.params().is_empty())
+                    .then(|| LayerOptimizer::new(optimizer, l.layer.params()))
+            })
+            .collect();
+        Self { model, opts }
+    }
+}
+
+impl ModelReplica for BuiltinReplica {
+    fn backend(&self) -> &'static str {
+        "builtin"
+    }
+
+    fn unit_infos(&self) -> Vec<LayerInfo> {
+        self.model.layer_infos()
+    }
+
+    fn layer_names(&self) -> Vec<String> {
+        self.model.layers.iter().map(|l| l.name.clone()).collect()
+    }
+
+    fn forward_backward(
+        &mut self,
+        input: &Tensor,
+        targets: &[usize],
+        on_unit_ready: &mut dyn FnMut(usize, &mut dyn UnitMut),
+    ) -> Result<f32, ReplicaError> {
+        let logits = self.model.forward(input, true);
+        let (loss, grad) = try_softmax_cross_entropy(&logits, targets)
+            .map_err(|e| ReplicaError::Batch(e.to_string()))?;
+        let opts = &mut self.opts;
+        self.model.backward_with_hook(&grad, &mut |i, layer| {
+            let mut unit = BuiltinUnit {
+                layer,
+                opt: opts[i].as_mut(),
+            };
+            on_unit_ready(i, &mut unit);
+        });
+        Ok(loss)
+    }
+
+    fn with_unit(&mut self, index: usize, f: &mut dyn FnMut(&mut dyn UnitMut)) {
+        let mut unit = BuiltinUnit {
+            layer: &mut self.model.layers[index],
+            opt: self.opts[index].as_mut(),
+        };
+        f(&mut unit);
+    }
+
+    fn flat_values(&self) -> Vec<f32> {
+        self.model.flat_values()
+    }
+
+    fn set_flat_values(&mut self, flat: &[f32]) {
+        set_model_flat_values(&mut self.model, flat);
+    }
+}
+
+/// Writes a vector made by [`Model::flat_values`] back into `model`.
+///
+/// # Panics
+/// When `flat` is shorter than the model (a caller bug: vectors come from the same model).
+pub fn set_model_flat_values(model: &mut Model, flat: &[f32]) {
+    let mut off = 0;
+    for i in 0..model.layers.len() {
+        let n: usize = model.layers[i].layer.params().iter().map(|p| p.len()).sum();
+        if n > 0 {
+            model.set_layer_values(i, &flat[off..off + n]);
+            off += n;
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Which compute backend a node's replicas run on, and building them behind the replica seam.
+//!
+//! This module owns [`Backend`] (`builtin`, or `tch` on a device: the CLI's `--backend` and
+//! `--device`, a node config's `backend` / `device` keys), its parsing with errors that say
+//! what is accepted, and [`Backend::build_replica`], which turns a [`Task`] into a boxed
+//! [`ModelReplica`]. Everything above it (trainers, the node loop) sees only the seam. The tch
+//! backend is compiled in only with the binary's `tch` feature; asking for it otherwise is a
+//! typed error saying how to rebuild.
+
+use std::fmt;
+
+use engine::optim::OptimizerConfig;
+use engine::replica::{BuiltinReplica, ModelReplica};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::task::Task;
+
+/// A compute backend for a node's replicas.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "BackendSpec", into = "BackendSpec")]
+pub enum Backend {
+    /// The built-in CPU engine.
+    #[default]
+    Builtin,
+    /// libtorch through tch on `device` (`cpu`, `cuda:N`).
+    Tch {
+        /// Device string as given.
+        device: String,
+    },
+}
+
+/// Why a backend could not be chosen or could not build a replica.
+#[derive(Debug, Error)]
+pub enum BackendError {
+    /// An unknown backend name.
+    #[error("unknown backend `{0}`: use `builtin` or `tch`")]
+    Unknown(String),
+    /// A device for the built-in backend other than the CPU.
+    #[error("the builtin backend runs on the CPU only (got device `{0}`); use `--backend tch --device {0}` for a GPU")]
+    BuiltinDevice(String),
+    /// The tch backend failed (not compiled in, no CUDA, unsupported layer).
+    #[error(transparent)]
+    Tch(#[from] tch_backend::TchBackendError),
+}
+
+/// The serialized form: `backend = "tch"`, `device = "cuda:0"`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct BackendSpec {
+    backend: String,
+    #[serde(default = "default_device")]
+    device: String,
+}
+
+fn default_device() -> String {
+    "cpu".into()
+}
+
+impl TryFrom<BackendSpec> for Backend {
+    type Error = BackendError;
+    fn try_from(s: BackendSpec) -> Result<Self, BackendError> {
+        Backend::parse(&s.backend, &s.device)
+    }
+}
+
+impl From<Backend> for BackendSpec {
+    fn from(b: Backend) -> Self {
+        match b {
+            Backend::Builtin => BackendSpec {
+                backend: "builtin".into(),
+                device: "cpu".into(),
+            },
+            Backend::Tch { device } => BackendSpec {
+                backend: "tch".into(),
+                device,
+            },
+        }
+    }
+}
+
+impl Backend {
+    /// The backend named `name` on `device`.
+    pub fn parse(name: &str, device: &str) -> Result<Self, BackendError> {
+        match name {
+            "builtin" => {
+                if device == "cpu" {
+                    Ok(Backend::Builtin)
+                } else {
+                    Err(BackendError::BuiltinDevice(device.into()))
+                }
+            }
+            "tch" => Ok(Backend::Tch {
+                device: device.into(),
+            }),
+            other => Err(BackendError::Unknown(other.into())),
+        }
+    }
+
+    /// Backend name (`builtin`, `tch`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Builtin => "builtin",
+            Backend::Tch { .. } => "tch",
+        }
+    }
+
+    /// Device string (`cpu` for the built-in backend).
+    pub fn device(&self) -> &str {
+        match self {
+            Backend::Builtin => "cpu",
+            Backend::Tch { device } => device,
+        }
+    }
+
+    /// Checks the backend can run here (compiled in, device present) without building a model.
+    pub fn probe(&self) -> Result<(), BackendError> {
+        match self {
+            Backend::Builtin => Ok(()),
+            Backend::Tch { device } => Ok(tch_backend::check_device(device)?),
+        }
+    }
+
+    /// A replica of `task`'s model built with `seed` (identical initial weights in every
+    /// backend) and a fresh `optimizer` per unit.
+    pub fn build_replica(
+        &self,
+        task: &Task,
+        seed: u64,
+        optimizer: &OptimizerConfig,
+    ) -> Result<Box<dyn ModelReplica>, BackendError> {
+        let model = task.build_model(seed);
+        match self {
+            Backend::Builtin => Ok(Box::new(BuiltinReplica::new(model, optimizer))),
+            Backend::Tch { device } => Ok(Box::new(tch_backend::TchReplica::from_model(
+                &model, optimizer, device,
+            )?)),
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} on {}", self.name(), self.device())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backends_parse_and_bad_names_say_what_is_accepted() {
+        assert_eq!(Backend::parse("builtin", "cpu").unwrap(), Backend::Builtin);
+        assert_eq!(
+            Backend::parse("tch", "cuda:1").unwrap(),
+            Backend::Tch {
+                device: "cuda:1".into()
+            }
+        );
+        let e = Backend::parse("torch", "cpu").unwrap_err().to_string();
+        assert!(e.contains("builtin") && e.contains("tch"), "{e}");
+        let e = Backend::parse("builtin", "cuda:0").unwrap_err().to_string();
+        assert!(e.contains("--backend tch"), "{e}");
+    }
+
+    #[test]
+    fn a_backend_reads_from_a_node_config() {
+        #[derive(Deserialize)]
+        struct Cfg {
+            #[serde(flatten)]
+            backend: Backend,
+        }
+        let c: Cfg = toml::from_str("backend = \"tch\"\ndevice = \"cuda:0\"").unwrap();
+        assert_eq!(c.backend.device(), "cuda:0");
+        let e = toml::from_str::<Cfg>("backend = \"gpu\"")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("unknown backend `gpu`"), "{e}");
+    }
+}
