@@ -5,7 +5,8 @@
 //! `links` key, which this crate cannot claim (torch-sys links `torch`).
 
 /// Where bench/install_torch.sh puts PyTorch 2.13 (its `torch` folder is a libtorch).
-const DEFAULT_LIBTORCH: &str = "/root/.cache/dreamddp/torch/venv-2.13.0/lib/python3.11/site-packages/torch";
+const DEFAULT_LIBTORCH: &str =
+    "/root/.cache/dreamddp/torch/venv-2.13.0/lib/python3.11/site-packages/torch";
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");

@@ -137,7 +137,7 @@ mod api_tests {
     #[cfg(not(feature = "tch"))]
     #[test]
     fn stub_says_how_to_enable_libtorch() {
-        assert!(!AVAILABLE);
+        const { assert!(!AVAILABLE) };
         let model = engine::models::mlp::mlp(4, &[3], 2, 0);
         let err = TchReplica::from_model(&model, &engine::optim::OptimizerConfig::sgd(), "cpu")
             .err()

@@ -509,11 +509,15 @@ impl TchReplica {
         host_to_device(&input.data, &shape, self.device)
     }
 
-    fn targets_tensor(&self, logits: &Tensor, targets: &[usize]) -> Result<(Tensor, Tensor), ReplicaError> {
+    fn targets_tensor(
+        &self,
+        logits: &Tensor,
+        targets: &[usize],
+    ) -> Result<(Tensor, Tensor), ReplicaError> {
         let size = logits.size();
         let classes = size.last().copied().unwrap_or(1).max(0) as usize;
         let numel: usize = size.iter().map(|&d| d.max(0) as usize).product();
-        let rows = if classes == 0 { 0 } else { numel / classes };
+        let rows = numel.checked_div(classes).unwrap_or(0);
         if targets.len() != rows {
             return Err(ReplicaError::Batch(
                 LossError::TargetCount {
@@ -568,11 +572,7 @@ impl TchReplica {
         }
     }
 
-    fn hand_over(
-        &mut self,
-        stage: usize,
-        on_unit_ready: &mut dyn FnMut(usize, &mut dyn UnitMut),
-    ) {
+    fn hand_over(&mut self, stage: usize, on_unit_ready: &mut dyn FnMut(usize, &mut dyn UnitMut)) {
         let index = self.stages[stage].unit;
         if let Some(unit) = self.units[index].as_mut() {
             let mut handle = UnitHandle {
@@ -586,7 +586,10 @@ impl TchReplica {
 
     /// Forward with detached stage boundaries: per stage its input (a leaf that requires
     /// grad, except the first) and output. Empty when the model has no units.
-    fn forward_staged(&self, input: &HostTensor) -> Result<(Tensor, Vec<(Tensor, Tensor)>), TchError> {
+    fn forward_staged(
+        &self,
+        input: &HostTensor,
+    ) -> Result<(Tensor, Vec<(Tensor, Tensor)>), TchError> {
         let mut x = self.input_tensor(input)?;
         for &op in &self.prefix {
             x = apply(op, &x, &[])?;
@@ -604,7 +607,9 @@ impl TchReplica {
             }
             io.push((xin, y));
         }
-        let logits = io.last().map_or_else(|| x.shallow_clone(), |(_, y)| y.shallow_clone());
+        let logits = io
+            .last()
+            .map_or_else(|| x.shallow_clone(), |(_, y)| y.shallow_clone());
         Ok((logits, io))
     }
 
@@ -653,7 +658,11 @@ impl ModelReplica for TchReplica {
         self.zero_grads().map_err(backend_error)?;
         let (logits, mut io) = self.forward_staged(input).map_err(backend_error)?;
         let loss = self.loss(&logits, targets)?;
-        let read = |t: &Tensor| t.f_double_value(&[]).map(|v| v as f32).map_err(backend_error);
+        let read = |t: &Tensor| {
+            t.f_double_value(&[])
+                .map(|v| v as f32)
+                .map_err(backend_error)
+        };
         if io.is_empty() {
             return read(&loss);
         }
@@ -752,7 +761,7 @@ pub fn measure_backward(
 
 /// Mean ms of forward + staged backward (the replica's `forward_backward`, no-op hook)
 /// against forward + one plain `loss.backward()` over the same model without detached
-/// boundaries, interleaved rep by rep after one warm-up of each.
+/// boundaries, interleaved rep by rep (alternating which goes first) after one warm-up of each.
 ///
 /// # Errors
 /// An unsupported model, a bad device, a batch that does not fit, a libtorch error.
@@ -767,23 +776,33 @@ pub fn measure_backward_on(
     let reps = reps.max(1);
     let mut staged = 0.0f64;
     let mut plain = 0.0f64;
-    for rep in 0..=reps {
+    let time_staged = |replica: &mut TchReplica| -> Result<f64, TchBackendError> {
         let start = Instant::now();
         replica.forward_backward(input, targets, &mut |_, _| {})?;
         replica.synchronize();
-        let staged_ms = start.elapsed().as_secs_f64() * 1e3;
-
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    };
+    let time_plain = |replica: &mut TchReplica| -> Result<f64, TchBackendError> {
         let start = Instant::now();
         replica.zero_grads().map_err(torch_error)?;
         let logits = replica.forward_plain(input).map_err(torch_error)?;
         let loss = replica.loss(&logits, targets)?;
-        loss.f_double_value(&[]).map_err(torch_error)?;
         loss.f_backward().map_err(torch_error)?;
+        loss.f_double_value(&[]).map_err(torch_error)?;
         replica.synchronize();
-        let plain_ms = start.elapsed().as_secs_f64() * 1e3;
-        if rep > 0 {
-            staged += staged_ms;
-            plain += plain_ms;
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    };
+    // One warm-up of each, then alternate which goes first so neither always runs on the
+    // other's warm caches.
+    time_staged(&mut replica)?;
+    time_plain(&mut replica)?;
+    for rep in 0..reps {
+        if rep % 2 == 0 {
+            staged += time_staged(&mut replica)?;
+            plain += time_plain(&mut replica)?;
+        } else {
+            plain += time_plain(&mut replica)?;
+            staged += time_staged(&mut replica)?;
         }
     }
     Ok(BackwardTiming {
