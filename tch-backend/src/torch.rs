@@ -48,6 +48,12 @@ pub fn parse_device(s: &str) -> Result<Device, TchBackendError> {
     match parse_device_spec(s)? {
         DeviceSpec::Cpu => Ok(Device::Cpu),
         DeviceSpec::Cuda(n) => {
+            if let Err(why) = load_torch_cuda() {
+                return Err(TchBackendError::CudaUnavailable {
+                    device: s.to_string(),
+                    reason: format!("libtorch's CUDA library could not be loaded ({why})"),
+                });
+            }
             if !Cuda::is_available() {
                 return Err(TchBackendError::CudaUnavailable {
                     device: s.to_string(),
@@ -66,6 +72,55 @@ pub fn parse_device(s: &str) -> Result<Device, TchBackendError> {
             Ok(Device::Cuda(n))
         }
     }
+}
+
+/// The linker drops `libtorch_cuda.so` (`--as-needed`: no symbol of it is referenced), and
+/// without it libtorch has no CUDA backend. Loading it at run time (once, `RTLD_GLOBAL`)
+/// registers the backend in every binary, whatever its link flags.
+fn load_torch_cuda() -> Result<(), String> {
+    use std::ffi::{c_char, c_int, c_void, CStr, CString};
+    use std::sync::OnceLock;
+
+    unsafe extern "C" {
+        fn dlopen(filename: *const c_char, flag: c_int) -> *mut c_void;
+        fn dlerror() -> *mut c_char;
+    }
+    const RTLD_NOW: c_int = 2;
+    const RTLD_GLOBAL: c_int = 0x100;
+    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let mut errors = Vec::new();
+            let built_with =
+                option_env!("DREAMDDP_LIBTORCH_LIB").map(|lib| format!("{lib}/libtorch_cuda.so"));
+            for name in built_with
+                .into_iter()
+                .chain(["libtorch_cuda.so".to_string()])
+            {
+                let Ok(c_name) = CString::new(name.clone()) else {
+                    continue;
+                };
+                // SAFETY: `c_name` is a valid NUL-terminated string; dlopen/dlerror are the C
+                // library's, and the handle is deliberately never closed.
+                let handle = unsafe { dlopen(c_name.as_ptr(), RTLD_NOW | RTLD_GLOBAL) };
+                if !handle.is_null() {
+                    return Ok(());
+                }
+                // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next
+                // dl* call on this thread; it is copied at once.
+                let why = unsafe {
+                    let e = dlerror();
+                    if e.is_null() {
+                        "unknown error".to_string()
+                    } else {
+                        CStr::from_ptr(e).to_string_lossy().into_owned()
+                    }
+                };
+                errors.push(format!("{name}: {why}"));
+            }
+            Err(errors.join("; "))
+        })
+        .clone()
 }
 
 /// Like [`parse_device`], for callers that only need to know the device is usable.
