@@ -289,7 +289,10 @@ fn build_task(s: &Scenario, data_dir: Option<&Path>) -> Result<Task> {
         .or_else(engine::data::locate::shared_datasets_dir);
     let dataset = resolve_dataset(&model, &s.dataset, dir.as_deref());
     let data = load_data(&dataset, dir.as_deref()).map_err(|e| anyhow!(e))?;
-    Task::new(model, &dataset, data).map_err(|e| anyhow!(e))
+    let task = Task::new(model, &dataset, data).map_err(|e| anyhow!(e))?;
+    task.require_builtin("the simulator")
+        .map_err(|e| anyhow!("scenario {}: {e}", s.name))?;
+    Ok(task)
 }
 
 fn fmt_opt_s(v: Option<f64>) -> String {

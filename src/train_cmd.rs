@@ -92,6 +92,7 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         None => None,
         Some(path) => Some(Arc::new(load_checkpoint(
             &task,
+            &backend,
             args.seed.unwrap_or(0),
             path,
         )?)),
@@ -103,7 +104,8 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
     let link_spec = args.link.clone().unwrap_or_else(|| "none".to_string());
     let mut profile = None;
     let link = if link_spec == "auto" {
-        let prof = profile_step(&task, batch, workers, 5, seed);
+        let mut replica = backend.build_replica(&task, seed, &optimizer)?;
+        let prof = profile_step(&task, replica.as_mut(), batch, workers, 5, seed)?;
         let params: usize = prof.units.iter().map(|u| u.2).sum();
         let link = LinkModel::calibrated(params * 4, workers, prof.backward_s, 20e-6);
         tracing::info!(
@@ -144,30 +146,40 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
     })
 }
 
-/// Reads a safetensors checkpoint for `task`'s model; errors name the file and what did not fit.
-pub fn load_checkpoint(task: &Task, seed: u64, path: &Path) -> Result<Vec<f32>> {
+/// Reads a safetensors checkpoint for `task`'s model on `backend` and returns the starting
+/// values (`ModelReplica::flat_values` layout); errors name the file and what did not fit.
+pub fn load_checkpoint(task: &Task, backend: &Backend, seed: u64, path: &Path) -> Result<Vec<f32>> {
     let bytes = std::fs::read(path)
         .with_context(|| format!("cannot read checkpoint {}", path.display()))?;
-    let mut model = task.build_model(seed);
-    checkpoint::load_safetensors(&mut model, &bytes)
+    let mut replica = backend.build_replica(task, seed, &OptimizerConfig::sgd())?;
+    let wanted: Vec<(String, Vec<usize>)> = replica
+        .state_tensors()
+        .into_iter()
+        .map(|(n, s, _)| (n, s))
+        .collect();
+    let (tensors, _) = checkpoint::deserialize_named(&bytes, &wanted, task.model.name())
+        .with_context(|| format!("cannot load checkpoint {}", path.display()))?;
+    replica
+        .load_state_tensors(&tensors)
         .with_context(|| format!("cannot load checkpoint {}", path.display()))?;
     tracing::info!("starting from checkpoint {}", path.display());
-    Ok(model.flat_values())
+    Ok(replica.flat_values())
 }
 
-/// Writes `values` (a `Model::flat_values` of `task`'s model) as a safetensors checkpoint,
-/// atomically.
+/// Writes `values` (a `ModelReplica::flat_values` of `task`'s model) as a safetensors
+/// checkpoint with PyTorch's names, atomically.
 pub fn save_checkpoint(
     task: &Task,
+    backend: &Backend,
     values: &[f32],
     path: &Path,
     meta: BTreeMap<String, String>,
 ) -> Result<()> {
-    let mut model = task.build_model(0);
-    engine::replica::set_model_flat_values(&mut model, values);
+    let mut replica = backend.build_replica(task, 0, &OptimizerConfig::sgd())?;
+    replica.set_flat_values(values);
     let mut meta = meta;
     meta.insert("dreamddp.dataset".into(), task.dataset.clone());
-    let bytes = checkpoint::to_safetensors(&model, &meta)?;
+    let bytes = checkpoint::serialize_named(&replica.state_tensors(), task.model.name(), &meta)?;
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("cannot create {}", parent.display()))?;
@@ -205,6 +217,7 @@ pub fn plan_for(r: &Resolved, strategy: Strategy) -> Result<SyncPlan> {
         batch: r.cfg.batch,
         seed: r.cfg.seed,
         measured: r.profile.as_ref(),
+        backend: &r.cfg.backend,
     })
     .map_err(|e| anyhow!("{e}"))
 }
@@ -252,11 +265,12 @@ pub fn summary_line(r: &RunReport) -> String {
         None => format!("validation loss {:.3} nats/char", r.val_loss),
     };
     format!(
-        "{} {} on {} ({} workers, {} steps): {metric}; {} synchronized; {:.1} s wall, {:.2} ms/step",
+        "{} {} on {} ({} workers, {}, {} steps): {metric}; {} synchronized; {:.1} s wall, {:.2} ms/step",
         r.strategy,
         r.model,
         r.dataset,
         r.workers,
+        r.backend,
         r.steps,
         human_bytes(r.bytes_sent),
         r.wall_seconds,
@@ -309,7 +323,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     println!("{}", summary_line(&report));
     if let Some(path) = &args.save {
         let meta = BTreeMap::from([("dreamddp.strategy".to_string(), report.strategy.clone())]);
-        save_checkpoint(&r.task, &report.final_values, path, meta)?;
+        save_checkpoint(&r.task, &r.cfg.backend, &report.final_values, path, meta)?;
         println!("checkpoint written to {}", path.display());
     }
     if let Some(out) = &args.out {

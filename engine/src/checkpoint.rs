@@ -103,14 +103,30 @@ pub fn named_params(model: &Model) -> Vec<(String, Vec<usize>, &[f32])> {
         .collect()
 }
 
+/// A named tensor of a model's state: `(name, shape, values)` (row-major `f32`).
+pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
+
 /// Serializes every parameter of `model` into safetensors bytes, with `format = pt`, the
 /// model's name and the given `extra` metadata.
 pub fn to_safetensors(
     model: &Model,
     extra: &BTreeMap<String, String>,
 ) -> Result<Vec<u8>, CheckpointError> {
-    let params = named_params(model);
-    let views = params
+    let tensors: Vec<NamedTensor> = named_params(model)
+        .into_iter()
+        .map(|(n, s, v)| (n, s, v.to_vec()))
+        .collect();
+    serialize_named(&tensors, &model.name, extra)
+}
+
+/// Serializes named tensors (a replica's state: parameters and buffers) into safetensors
+/// bytes with `format = pt`, `dreamddp.model = model_name` and `extra`.
+pub fn serialize_named(
+    tensors: &[NamedTensor],
+    model_name: &str,
+    extra: &BTreeMap<String, String>,
+) -> Result<Vec<u8>, CheckpointError> {
+    let views = tensors
         .iter()
         .map(|(name, shape, values)| {
             TensorView::new(Dtype::F32, shape.clone(), bytemuck::cast_slice(values))
@@ -120,7 +136,7 @@ pub fn to_safetensors(
         .collect::<Result<Vec<_>, _>>()?;
     let mut meta: HashMap<String, String> = extra.clone().into_iter().collect();
     meta.insert(META_FORMAT.into(), "pt".into());
-    meta.insert(META_MODEL.into(), model.name.clone());
+    meta.insert(META_MODEL.into(), model_name.to_string());
     safetensors::serialize(views, Some(meta)).map_err(|e| CheckpointError::Format(e.to_string()))
 }
 
@@ -131,6 +147,30 @@ pub fn load_safetensors(
     model: &mut Model,
     bytes: &[u8],
 ) -> Result<BTreeMap<String, String>, CheckpointError> {
+    let wanted: Vec<(String, Vec<usize>)> = named_params(model)
+        .into_iter()
+        .map(|(n, s, _)| (n, s))
+        .collect();
+    let (decoded, meta) = deserialize_named(bytes, &wanted, &model.name)?;
+    let mut it = decoded.into_iter();
+    for l in &mut model.layers {
+        for p in l.layer.params_mut() {
+            if let Some((_, _, v)) = it.next() {
+                p.value.copy_from_slice(&v);
+            }
+        }
+    }
+    Ok(meta)
+}
+
+/// Reads a safetensors file that must hold exactly the tensors `wanted` (names and shapes,
+/// `F32`, finite) of model `model_name`; returns them in `wanted`'s order with the file's
+/// metadata. Nothing is returned unless every tensor fits.
+pub fn deserialize_named(
+    bytes: &[u8],
+    wanted: &[(String, Vec<usize>)],
+    model_name: &str,
+) -> Result<(Vec<NamedTensor>, BTreeMap<String, String>), CheckpointError> {
     let (_, header) =
         SafeTensors::read_metadata(bytes).map_err(|e| CheckpointError::Format(e.to_string()))?;
     let meta: BTreeMap<String, String> = header
@@ -145,10 +185,6 @@ pub fn load_safetensors(
         n.sort();
         n
     };
-    let wanted: Vec<(String, Vec<usize>)> = named_params(model)
-        .into_iter()
-        .map(|(n, s, _)| (n, s))
-        .collect();
     let unexpected: Vec<&str> = present
         .iter()
         .filter(|n| !wanted.iter().any(|(w, _)| w == *n))
@@ -156,16 +192,15 @@ pub fn load_safetensors(
         .collect();
     if !unexpected.is_empty() {
         return Err(CheckpointError::Unexpected {
-            model: model.name.clone(),
+            model: model_name.to_string(),
             names: first_few(&unexpected),
         });
     }
-    // Decode and check everything before touching the model.
-    let mut decoded: Vec<Vec<f32>> = Vec::with_capacity(wanted.len());
-    for (name, shape) in &wanted {
+    let mut decoded: Vec<NamedTensor> = Vec::with_capacity(wanted.len());
+    for (name, shape) in wanted {
         let view = file.tensor(name).map_err(|_| CheckpointError::Missing {
             name: name.clone(),
-            model: model.name.clone(),
+            model: model_name.to_string(),
             present: first_few(&present.iter().map(String::as_str).collect::<Vec<_>>()),
         })?;
         if view.dtype() != Dtype::F32 {
@@ -177,7 +212,7 @@ pub fn load_safetensors(
         if view.shape() != shape.as_slice() {
             return Err(CheckpointError::Shape {
                 name: name.clone(),
-                model: model.name.clone(),
+                model: model_name.to_string(),
                 expected: shape.clone(),
                 found: view.shape().to_vec(),
             });
@@ -193,17 +228,9 @@ pub fn load_safetensors(
                 index,
             });
         }
-        decoded.push(values);
+        decoded.push((name.clone(), shape.clone(), values));
     }
-    let mut it = decoded.into_iter();
-    for l in &mut model.layers {
-        for p in l.layer.params_mut() {
-            if let Some(v) = it.next() {
-                p.value.copy_from_slice(&v);
-            }
-        }
-    }
-    Ok(meta)
+    Ok((decoded, meta))
 }
 
 fn first_few(names: &[&str]) -> String {

@@ -12,6 +12,7 @@
 
 use thiserror::Error;
 
+use crate::checkpoint::{named_params, NamedTensor};
 use crate::loss::try_softmax_cross_entropy;
 use crate::model::{LayerInfo, Model, NamedLayer};
 use crate::optim::{LayerOptimizer, OptimizerConfig};
@@ -69,12 +70,21 @@ pub trait ModelReplica: Send {
         targets: &[usize],
         on_unit_ready: &mut dyn FnMut(usize, &mut dyn UnitMut),
     ) -> Result<f32, ReplicaError>;
+    /// The model's output for `input` in evaluation mode (no gradients, BatchNorm on its
+    /// running statistics), as `[rows, classes]` logits on the host.
+    fn logits(&mut self, input: &Tensor) -> Result<Tensor, ReplicaError>;
     /// Calls `f` with unit `index` (outside backward: landing averages, stepping late units).
     fn with_unit(&mut self, index: usize, f: &mut dyn FnMut(&mut dyn UnitMut));
     /// Every unit's values, in forward order, concatenated (the layout of [`Model::flat_values`]).
     fn flat_values(&self) -> Vec<f32>;
     /// Overwrites every unit's values from a vector made by [`Self::flat_values`].
     fn set_flat_values(&mut self, flat: &[f32]);
+    /// The model's whole state as named tensors with PyTorch's `state_dict` names and layouts
+    /// (parameters and buffers such as BatchNorm running statistics): what a checkpoint holds.
+    fn state_tensors(&self) -> Vec<NamedTensor>;
+    /// Overwrites the state from tensors named and shaped as [`Self::state_tensors`] gives
+    /// them (checked by the caller, e.g. [`crate::checkpoint::deserialize_named`]).
+    fn load_state_tensors(&mut self, tensors: &[NamedTensor]) -> Result<(), ReplicaError>;
 }
 
 /// A unit of the built-in engine: the layer and its optimizer.
@@ -169,6 +179,10 @@ impl ModelReplica for BuiltinReplica {
         Ok(loss)
     }
 
+    fn logits(&mut self, input: &Tensor) -> Result<Tensor, ReplicaError> {
+        Ok(self.model.forward(input, false))
+    }
+
     fn with_unit(&mut self, index: usize, f: &mut dyn FnMut(&mut dyn UnitMut)) {
         let mut unit = BuiltinUnit {
             layer: &mut self.model.layers[index],
@@ -183,6 +197,35 @@ impl ModelReplica for BuiltinReplica {
 
     fn set_flat_values(&mut self, flat: &[f32]) {
         set_model_flat_values(&mut self.model, flat);
+    }
+
+    fn state_tensors(&self) -> Vec<NamedTensor> {
+        named_params(&self.model)
+            .into_iter()
+            .map(|(n, s, v)| (n, s, v.to_vec()))
+            .collect()
+    }
+
+    fn load_state_tensors(&mut self, tensors: &[NamedTensor]) -> Result<(), ReplicaError> {
+        let wanted = named_params(&self.model);
+        if wanted.len() != tensors.len()
+            || wanted.iter().zip(tensors).any(|((n, s, _), (tn, ts, tv))| {
+                n != tn || s != ts || tv.len() != s.iter().product::<usize>()
+            })
+        {
+            return Err(ReplicaError::Batch(
+                "state tensors do not match the model's parameters".into(),
+            ));
+        }
+        let mut it = tensors.iter();
+        for l in &mut self.model.layers {
+            for p in l.layer.params_mut() {
+                if let Some((_, _, v)) = it.next() {
+                    p.value.copy_from_slice(v);
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -6,6 +6,9 @@ use engine::plan::{PlanConfig, PlanError, ScheduleKind, Strategy, SyncPlan};
 use engine::schedule::ModelProfile;
 
 use crate::profile::{profile_step, StepProfile};
+use engine::optim::OptimizerConfig;
+use engine::replica::ReplicaError;
+use node::backend::{Backend, BackendError};
 use node::link::LinkModel;
 use node::task::Task;
 
@@ -34,18 +37,46 @@ pub struct PlanInputs<'a> {
     /// A profile already measured for this task and batch (e.g. by `--link auto`); when
     /// `None` and the schedule needs one, the model is profiled here.
     pub measured: Option<&'a StepProfile>,
+    /// The backend that trains (and is profiled).
+    pub backend: &'a Backend,
+}
+
+/// Why a plan could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanBuildError {
+    /// The plan itself is invalid (e.g. an override names no layer).
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The backend could not build the model to plan for.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// Profiling the model failed.
+    #[error("profiling the model failed: {0}")]
+    Profile(#[from] ReplicaError),
 }
 
 /// Builds the plan; profiles the model first when the DreamDDP `profiled` schedule needs it.
-pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanError> {
-    let model = inp.task.build_model(inp.seed);
-    let units = model.layer_infos();
+pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanBuildError> {
+    let mut replica = inp
+        .backend
+        .build_replica(inp.task, inp.seed, &OptimizerConfig::sgd())?;
+    let units = replica.unit_infos();
     let mut cfg = PlanConfig::new(inp.strategy, inp.period);
     cfg.schedule = inp.schedule;
     cfg.period_overrides = inp.overrides.to_vec();
     cfg.bubble_filling = inp.bubble_filling;
     let profile = if inp.strategy == Strategy::DreamDdp && inp.schedule == ScheduleKind::Profiled {
-        let p = profile_step(inp.task, inp.batch, inp.workers, 5, inp.seed);
+        let p = match inp.measured {
+            Some(p) => p.clone(),
+            None => profile_step(
+                inp.task,
+                replica.as_mut(),
+                inp.batch,
+                inp.workers,
+                5,
+                inp.seed,
+            )?,
+        };
         Some(ModelProfile {
             forward_s: p.forward_s,
             layers: p.layer_profiles(inp.link, inp.workers),
@@ -53,5 +84,10 @@ pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanError> {
     } else {
         None
     };
-    SyncPlan::new(&model.name, &units, &cfg, profile.as_ref())
+    Ok(SyncPlan::new(
+        inp.task.model.name(),
+        &units,
+        &cfg,
+        profile.as_ref(),
+    )?)
 }

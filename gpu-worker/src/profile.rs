@@ -1,10 +1,9 @@
-//! Profiling for the DreamDDP schedule: measured per-layer backward times of this task on
-//! this machine, and per-layer communication times from the link model.
+//! Profiling for the DreamDDP schedule: measured per-unit backward times of this task on
+//! this machine, on the backend that trains it, and per-layer communication times from the link model.
 
 use std::time::Instant;
 
-use engine::loss::softmax_cross_entropy;
-use engine::model::NamedLayer;
+use engine::replica::{ModelReplica, ReplicaError};
 use engine::schedule::LayerProfile;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -49,16 +48,20 @@ impl StepProfile {
     }
 }
 
-/// Times `measured` training steps (after 2 warm-up steps) of one replica on this thread and
-/// returns median per-layer backward times. `workers` sharing the machine's cores scale them.
+/// Times `measured` training steps (after 2 warm-up steps) of `replica` (any backend) on this
+/// thread and returns median per-unit backward times. `workers` sharing the machine's cores
+/// scale them. The forward time is that of an evaluation-mode forward of the same batch (the
+/// seam runs forward and backward as one call); the first unit's backward time is what the
+/// training call took until that unit was ready, less that forward.
 pub fn profile_step(
     task: &Task,
+    replica: &mut dyn ModelReplica,
     batch_size: usize,
     workers: usize,
     measured: usize,
     seed: u64,
-) -> StepProfile {
-    let mut model = task.build_model(seed);
+) -> Result<StepProfile, ReplicaError> {
+    let infos = replica.unit_infos();
     let mut batch = Batch::default();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let n = task.train_len();
@@ -72,29 +75,38 @@ pub fn profile_step(
         }
         task.fill_batch(&mut batch, &mut rng, batch_size);
         let t0 = Instant::now();
-        let logits = model.forward(&batch.input, true);
-        let (_, grad) = softmax_cross_entropy(&logits, &batch.targets);
-        let t1 = Instant::now();
-        let mut last = t1;
+        replica.logits(&batch.input)?;
+        let forward = t0.elapsed().as_secs_f64();
         let mut times = Vec::new();
         let mut seen = Vec::new();
-        model.backward_with_hook(&grad, &mut |idx: usize, l: &mut NamedLayer| {
+        let t1 = Instant::now();
+        let mut last = t1;
+        replica.forward_backward(&batch.input, &batch.targets, &mut |idx, _unit| {
             let now = Instant::now();
             times.push((now - last).as_secs_f64());
             last = now;
-            let params = l.layer.params().iter().map(|p| p.len()).sum();
-            seen.push((l.name.clone(), idx, params));
-        });
-        let t2 = Instant::now();
+            let info = infos.iter().find(|i| i.index == idx);
+            seen.push((
+                info.map(|i| i.name.clone()).unwrap_or_default(),
+                idx,
+                info.map_or(0, |i| i.params),
+            ));
+        })?;
+        let total = t1.elapsed().as_secs_f64();
+        if let Some(first) = times.first_mut() {
+            *first = (*first - forward).max(0.0);
+        }
         if it >= 2 {
-            fwd.push((t1 - t0).as_secs_f64());
-            bwd.push((t2 - t1).as_secs_f64());
+            fwd.push(forward);
+            bwd.push((total - forward).max(0.0));
             if per_unit.is_empty() {
                 per_unit = vec![Vec::new(); times.len()];
                 names = seen;
             }
             for (u, t) in times.into_iter().enumerate() {
-                per_unit[u].push(t);
+                if let Some(v) = per_unit.get_mut(u) {
+                    v.push(t);
+                }
             }
         }
     }
@@ -102,7 +114,7 @@ pub fn profile_step(
         .map(|c| c.get())
         .unwrap_or(1);
     let contention = (workers as f64 / cores as f64).max(1.0);
-    StepProfile {
+    Ok(StepProfile {
         forward_s: median(&mut fwd) * contention,
         backward_s: median(&mut bwd) * contention,
         units: names
@@ -111,7 +123,7 @@ pub fn profile_step(
             .map(|((name, idx, params), ts)| (name, idx, params, median(ts)))
             .collect(),
         contention,
-    }
+    })
 }
 
 fn median(v: &mut [f64]) -> f64 {

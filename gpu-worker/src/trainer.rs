@@ -29,10 +29,9 @@ use std::time::Instant;
 
 use engine::data::sampler::ShardedSampler;
 use engine::lr::LrSchedule;
-use engine::model::Model;
 use engine::optim::OptimizerConfig;
 use engine::plan::{Strategy, SyncPlan};
-use engine::replica::{set_model_flat_values, ModelReplica, ReplicaError, UnitData, UnitMut};
+use engine::replica::{ModelReplica, ReplicaError, UnitData, UnitMut};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
@@ -99,6 +98,10 @@ pub enum TrainError {
     /// Bad configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The model's output does not fit the data set's labels (e.g. a TorchScript model with
+    /// too few classes).
+    #[error("evaluation failed: {0}")]
+    Evaluation(String),
     /// The backend could not build a replica (not compiled in, no device, unsupported model).
     #[error(transparent)]
     Backend(#[from] BackendError),
@@ -274,7 +277,6 @@ pub fn train(
 
     // The model a user gets is the average of the replicas (identical for ssgd/wfbp). For
     // strategies whose replicas differ this is one more full all-reduce: count its bytes.
-    let mut model = task.build_model(cfg.seed);
     let n = results[0].final_params.len();
     let mut avg = vec![0.0f32; n];
     for r in &results {
@@ -284,7 +286,6 @@ pub fn train(
     }
     let inv = 1.0 / results.len() as f32;
     avg.iter_mut().for_each(|a| *a *= inv);
-    set_flat_values(&mut model, &avg);
     let mut bytes_sent: u64 = (0..cfg.workers).map(|r| collective.bytes_sent(r)).sum();
     let replicas_differ = matches!(cfg.strategy, Strategy::LocalSgd | Strategy::DreamDdp)
         && results
@@ -294,7 +295,11 @@ pub fn train(
         bytes_sent += LinkModel::ring_allreduce_bytes_per_rank(n * 4, cfg.workers) as u64
             * cfg.workers as u64;
     }
-    let eval = task.evaluate(&mut model, cfg.eval_limit);
+    let mut final_replica = cfg.backend.build_replica(task, cfg.seed, &cfg.optimizer)?;
+    final_replica.set_flat_values(&avg);
+    let eval = task
+        .evaluate_replica(final_replica.as_mut(), cfg.eval_limit)
+        .map_err(TrainError::Evaluation)?;
     let final_values = avg;
     let train_seconds = results.iter().map(|r| r.train_seconds).sum::<f64>() / results.len() as f64;
     let curve = std::mem::take(&mut *shared.curve.lock().unwrap_or_else(|p| p.into_inner()));
@@ -463,9 +468,10 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         replica.set_flat_values(values);
     }
     let infos = replica.unit_infos();
-    // Evaluation runs the built-in engine on a copy of the replica's values (every backend
-    // shares its parameter layout).
-    let mut eval_model = (rank == 0 && cfg.eval_every > 0).then(|| task.build_model(cfg.seed));
+    // A model whose output does not fit the labels fails here, on every worker, before any
+    // barrier, rather than in an evaluation between two barriers.
+    task.evaluate_replica(replica.as_mut(), Some(2))
+        .map_err(TrainError::Evaluation)?;
     let schedule = LrSchedule {
         base_lr: cfg.lr,
         warmup_steps: cfg.warmup,
@@ -543,9 +549,10 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         let last = step + 1 == cfg.steps;
         if cfg.eval_every > 0 && ((step + 1) % cfg.eval_every == 0 || last) {
             sh.barrier.wait();
-            if let Some(model) = eval_model.as_mut() {
-                set_model_flat_values(model, &replica.flat_values());
-                let eval = task.evaluate(model, cfg.eval_limit);
+            if rank == 0 {
+                let eval = task
+                    .evaluate_replica(replica.as_mut(), cfg.eval_limit)
+                    .map_err(TrainError::Evaluation)?;
                 let bytes: u64 = (0..cfg.workers).map(|r| sh.collective.bytes_sent(r)).sum();
                 let point = CurvePoint {
                     step: step + 1,
@@ -595,11 +602,6 @@ fn log_sync(
         bytes,
         launched.elapsed().as_secs_f64() * 1e3
     );
-}
-
-/// Writes a vector made by [`Model::flat_values`] back into the model.
-pub fn set_flat_values(model: &mut Model, flat: &[f32]) {
-    set_model_flat_values(model, flat);
 }
 
 #[cfg(test)]

@@ -54,6 +54,7 @@ fn run(task: &Task, cfg: &TrainConfig, period: u64, schedule: ScheduleKind) -> R
         batch: cfg.batch,
         seed: cfg.seed,
         measured: None,
+        backend: &node::backend::Backend::Builtin,
     })
     .expect("plan");
     train(task, cfg, plan, Box::new(|_, _| {})).expect("training succeeds")
@@ -190,6 +191,7 @@ fn bad_configs_are_errors_not_panics() {
         batch: 16,
         seed: 0,
         measured: None,
+        backend: &node::backend::Backend::Builtin,
     })
     .expect("plan");
     let Err(err) = train(&task, &cfg, plan, Box::new(|_, _| {})) else {
@@ -210,6 +212,7 @@ fn bad_configs_are_errors_not_panics() {
         batch: 16,
         seed: 0,
         measured: None,
+        backend: &node::backend::Backend::Builtin,
     }) else {
         panic!("period 8 with 4 sync units must be an error");
     };

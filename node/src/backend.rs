@@ -42,6 +42,9 @@ pub enum BackendError {
     /// The tch backend failed (not compiled in, no CUDA, unsupported layer).
     #[error(transparent)]
     Tch(#[from] tch_backend::TchBackendError),
+    /// A model only the tch backend builds, asked of the built-in engine.
+    #[error("model `{0}` needs the tch backend (the built-in engine has no BatchNorm or TorchScript): add `--backend tch`")]
+    NeedsTch(String),
 }
 
 /// The serialized form: `backend = "tch"`, `device = "cuda:0"`.
@@ -128,14 +131,53 @@ impl Backend {
         seed: u64,
         optimizer: &OptimizerConfig,
     ) -> Result<Box<dyn ModelReplica>, BackendError> {
-        let model = task.build_model(seed);
         match self {
-            Backend::Builtin => Ok(Box::new(BuiltinReplica::new(model, optimizer))),
-            Backend::Tch { device } => Ok(Box::new(tch_backend::TchReplica::from_model(
-                &model, optimizer, device,
-            )?)),
+            Backend::Builtin if !task.model.is_builtin() => {
+                Err(BackendError::NeedsTch(task.model.name().into()))
+            }
+            Backend::Builtin => Ok(Box::new(BuiltinReplica::new(
+                task.build_model(seed),
+                optimizer,
+            ))),
+            Backend::Tch { device } => tch_replica(task, seed, optimizer, device),
         }
     }
+}
+
+#[cfg(feature = "tch")]
+fn tch_replica(
+    task: &Task,
+    seed: u64,
+    optimizer: &OptimizerConfig,
+    device: &str,
+) -> Result<Box<dyn ModelReplica>, BackendError> {
+    use crate::task::{ModelKind, TaskData};
+    use tch_backend::TchReplica;
+    let replica = match (&task.model, &task.data) {
+        (ModelKind::ResNet20, TaskData::Images(tt)) => {
+            let s = &tt.train.sample_shape;
+            if s.len() != 3 {
+                return Err(BackendError::Tch(tch_backend::TchBackendError::Torch(format!(
+                    "resnet20 takes [channels, height, width] images; data set {} has samples of shape {s:?}",
+                    task.dataset
+                ))));
+            }
+            TchReplica::resnet20(s[0], s[1], s[2], tt.train.classes, seed, optimizer, device)?
+        }
+        (ModelKind::TorchScript(path), _) => TchReplica::from_torchscript(path, optimizer, device)?,
+        _ => TchReplica::from_model(&task.build_model(seed), optimizer, device)?,
+    };
+    Ok(Box::new(replica))
+}
+
+#[cfg(not(feature = "tch"))]
+fn tch_replica(
+    _task: &Task,
+    _seed: u64,
+    _optimizer: &OptimizerConfig,
+    _device: &str,
+) -> Result<Box<dyn ModelReplica>, BackendError> {
+    Err(BackendError::Tch(tch_backend::TchBackendError::NotBuilt))
 }
 
 impl fmt::Display for Backend {

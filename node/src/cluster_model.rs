@@ -70,6 +70,11 @@ impl ModelShape {
         match (kind, self) {
             (ModelKind::Mlp | ModelKind::Cnn, ModelShape::Images { .. })
             | (ModelKind::GptTiny, ModelShape::Chars { .. }) => Ok(()),
+            (kind, _) if !kind.is_builtin() => Err(format!(
+                "model '{}' is not supported in a cluster yet: cluster processes train the built-in \
+                 models (mlp, cnn, gpt-tiny); train it with `dreamddp train --backend tch`",
+                kind.name()
+            )),
             (kind, shape) => Err(format!(
                 "model '{}' does not fit data of shape {shape:?}: mlp and cnn take mnist or digits, gpt-tiny takes tinyshakespeare",
                 kind.name()
@@ -144,7 +149,9 @@ impl ModelSection {
         let resolved = self.resolved()?;
         let kind: ModelKind = resolved.model.parse()?;
         let data = load_data(&resolved.dataset, resolved.data_dir.as_deref())?;
-        Task::new(kind, &resolved.dataset, data)
+        let task = Task::new(kind, &resolved.dataset, data)?;
+        task.require_builtin("a cluster")?;
+        Ok(task)
     }
 
     /// The cluster's initial model (the weights every process starts from), built from the

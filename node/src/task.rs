@@ -1,15 +1,16 @@
 //! What a node trains: the model to build and the data it reads, with per-task defaults
 //! (steps, batch, optimizer, learning rate) that reach the accuracy targets in the README.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use engine::data::corpus::{CharCorpus, Split};
 use engine::data::TrainTest;
-use engine::loss::{argmax_accuracy, softmax_cross_entropy};
+use engine::loss::{argmax_accuracy, try_softmax_cross_entropy};
 use engine::model::Model;
 use engine::models::gpt::{gpt_tiny, GptConfig};
 use engine::optim::OptimizerConfig;
+use engine::replica::ModelReplica;
 use engine::tensor::Tensor;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
@@ -23,6 +24,10 @@ pub enum ModelKind {
     Cnn,
     /// Character-level causal transformer.
     GptTiny,
+    /// ResNet-20 with BatchNorm (tch backend only).
+    ResNet20,
+    /// A TorchScript module exported from PyTorch (tch backend only), by its file path.
+    TorchScript(PathBuf),
 }
 
 impl ModelKind {
@@ -32,7 +37,14 @@ impl ModelKind {
             ModelKind::Mlp => "mlp",
             ModelKind::Cnn => "cnn",
             ModelKind::GptTiny => "gpt-tiny",
+            ModelKind::ResNet20 => "resnet20",
+            ModelKind::TorchScript(_) => "torchscript",
         }
+    }
+
+    /// Whether the built-in engine can build this model (otherwise only the tch backend can).
+    pub fn is_builtin(&self) -> bool {
+        matches!(self, ModelKind::Mlp | ModelKind::Cnn | ModelKind::GptTiny)
     }
 }
 
@@ -43,8 +55,21 @@ impl std::str::FromStr for ModelKind {
             "mlp" => Ok(ModelKind::Mlp),
             "cnn" => Ok(ModelKind::Cnn),
             "gpt-tiny" | "gpt" => Ok(ModelKind::GptTiny),
+            "resnet20" | "resnet-20" => Ok(ModelKind::ResNet20),
+            path if path.contains('/') || path.ends_with(".pt") || path.ends_with(".pth") => {
+                let p = PathBuf::from(path);
+                if p.is_file() {
+                    Ok(ModelKind::TorchScript(p))
+                } else {
+                    Err(format!(
+                        "model file {path} not found: pass a TorchScript module saved with \
+                         torch.jit.script(model).save(PATH) (see examples/export_model.py)"
+                    ))
+                }
+            }
             other => Err(format!(
-                "unknown model '{other}'; expected one of: mlp, cnn, gpt-tiny"
+                "unknown model '{other}'; expected one of: mlp, cnn, gpt-tiny, resnet20 \
+                 (tch backend), or the path of a TorchScript file (tch backend)"
             )),
         }
     }
@@ -101,7 +126,13 @@ pub struct TaskDefaults {
 }
 
 impl Task {
-    /// Builds a replica of the model; the same `seed` gives identical weights on every worker.
+    /// Builds the built-in engine's model; the same `seed` gives identical weights on every
+    /// worker.
+    ///
+    /// # Panics
+    /// For a model only the tch backend builds (`resnet20`, TorchScript): callers that take
+    /// such models go through `node::backend::Backend::build_replica`; the others (cluster
+    /// configs, scenarios) refuse them when they parse ([`Task::require_builtin`]).
     pub fn build_model(&self, seed: u64) -> Model {
         match (&self.model, &self.data) {
             (ModelKind::Mlp, TaskData::Images(tt)) => {
@@ -129,16 +160,31 @@ impl Task {
         }
     }
 
+    /// An error unless the built-in engine can build this task's model (what the simulator and
+    /// the cluster's processes need today).
+    pub fn require_builtin(&self, what: &str) -> Result<(), String> {
+        if self.model.is_builtin() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{what} runs the built-in models only (mlp, cnn, gpt-tiny); model '{}' trains with `dreamddp train --backend tch`",
+                self.model.name()
+            ))
+        }
+    }
+
     /// Pairs a model with data; a mismatch (e.g. gpt-tiny on MNIST) is an error that says so.
     pub fn new(model: ModelKind, dataset: &str, data: TaskData) -> Result<Self, String> {
         let ok = matches!(
             (&model, &data),
-            (ModelKind::Mlp | ModelKind::Cnn, TaskData::Images(_))
-                | (ModelKind::GptTiny, TaskData::Chars(_))
+            (
+                ModelKind::Mlp | ModelKind::Cnn | ModelKind::ResNet20 | ModelKind::TorchScript(_),
+                TaskData::Images(_)
+            ) | (ModelKind::GptTiny, TaskData::Chars(_))
         );
         if !ok {
             return Err(format!(
-                "model '{}' cannot train on data set '{dataset}': mlp and cnn take mnist or digits, gpt-tiny takes tinyshakespeare",
+                "model '{}' cannot train on data set '{dataset}': mlp, cnn, resnet20 and TorchScript models take image data sets (mnist, digits), gpt-tiny takes tinyshakespeare",
                 model.name()
             ));
         }
@@ -201,6 +247,26 @@ impl Task {
                 optimizer: adamw(0.0),
                 eval_every: 200,
             },
+            ModelKind::ResNet20 => TaskDefaults {
+                steps: 1500,
+                batch: 32,
+                lr: 0.05,
+                warmup: 100,
+                optimizer: OptimizerConfig::Sgd {
+                    momentum: 0.9,
+                    weight_decay: 5e-4,
+                    nesterov: true,
+                },
+                eval_every: 250,
+            },
+            ModelKind::TorchScript(_) => TaskDefaults {
+                steps: if small { 600 } else { 1200 },
+                batch: if small { 16 } else { 32 },
+                lr: 1e-3,
+                warmup: 50,
+                optimizer: adamw(0.0),
+                eval_every: if small { 50 } else { 200 },
+            },
             ModelKind::GptTiny => TaskDefaults {
                 steps: 1500,
                 batch: 8,
@@ -244,6 +310,25 @@ impl Task {
     /// Evaluates `model`: test accuracy (images) or validation loss in nats/char (chars).
     /// `limit` caps the number of test examples (images) or validation batches x 16.
     pub fn evaluate(&self, model: &mut Model, limit: Option<usize>) -> Evaluation {
+        self.evaluate_with(&mut |x| Ok(model.forward(x, false)), limit)
+            .unwrap_or_else(|e| panic!("the built-in model does not fit its own task: {e}"))
+    }
+
+    /// Evaluates a replica of any backend through the seam (its eval-mode logits).
+    pub fn evaluate_replica(
+        &self,
+        replica: &mut dyn ModelReplica,
+        limit: Option<usize>,
+    ) -> Result<Evaluation, String> {
+        self.evaluate_with(&mut |x| replica.logits(x).map_err(|e| e.to_string()), limit)
+    }
+
+    /// Evaluates the model behind `forward` (input batch → logits).
+    pub fn evaluate_with(
+        &self,
+        forward: &mut dyn FnMut(&Tensor) -> Result<Tensor, String>,
+        limit: Option<usize>,
+    ) -> Result<Evaluation, String> {
         match &self.data {
             TaskData::Images(tt) => {
                 let test = &tt.test;
@@ -262,16 +347,17 @@ impl Task {
                     } else {
                         test.batch(&b.indices, &mut b.input, &mut b.targets);
                     }
-                    let logits = model.forward(&b.input, false);
-                    let (loss, _) = softmax_cross_entropy(&logits, &b.targets);
+                    let logits = forward(&b.input)?;
+                    let (loss, _) = try_softmax_cross_entropy(&logits, &b.targets)
+                        .map_err(|e| e.to_string())?;
                     loss_sum += loss as f64 * (end - start) as f64;
                     correct += argmax_accuracy(&logits, &b.targets);
                     start = end;
                 }
-                Evaluation {
+                Ok(Evaluation {
                     accuracy: Some(correct as f64 / n.max(1) as f64),
                     loss: loss_sum / n.max(1) as f64,
-                }
+                })
             }
             TaskData::Chars(c) => {
                 let ctx = self.gpt.as_ref().map(|g| g.context).unwrap_or(64);
@@ -281,14 +367,15 @@ impl Task {
                 let mut loss_sum = 0.0f64;
                 for _ in 0..batches {
                     let (x, y) = c.sample_batch(&mut rng, 16, ctx, Split::Val);
-                    let logits = model.forward(&x, false);
-                    let (loss, _) = softmax_cross_entropy(&logits, &y);
+                    let logits = forward(&x)?;
+                    let (loss, _) =
+                        try_softmax_cross_entropy(&logits, &y).map_err(|e| e.to_string())?;
                     loss_sum += loss as f64;
                 }
-                Evaluation {
+                Ok(Evaluation {
                     accuracy: None,
                     loss: loss_sum / batches as f64,
-                }
+                })
             }
         }
     }

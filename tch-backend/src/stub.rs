@@ -3,6 +3,7 @@
 
 use std::convert::Infallible;
 
+use engine::checkpoint::NamedTensor;
 use engine::model::{LayerInfo, Model};
 use engine::optim::OptimizerConfig;
 use engine::replica::{ModelReplica, ReplicaError, UnitMut};
@@ -51,6 +52,10 @@ impl ModelReplica for TchReplica {
         match self.never {}
     }
 
+    fn logits(&mut self, _input: &Tensor) -> Result<Tensor, ReplicaError> {
+        match self.never {}
+    }
+
     fn with_unit(&mut self, _index: usize, _f: &mut dyn FnMut(&mut dyn UnitMut)) {
         match self.never {}
     }
@@ -60,6 +65,14 @@ impl ModelReplica for TchReplica {
     }
 
     fn set_flat_values(&mut self, _flat: &[f32]) {
+        match self.never {}
+    }
+
+    fn state_tensors(&self) -> Vec<NamedTensor> {
+        match self.never {}
+    }
+
+    fn load_state_tensors(&mut self, _tensors: &[NamedTensor]) -> Result<(), ReplicaError> {
         match self.never {}
     }
 }
