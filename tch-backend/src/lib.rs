@@ -54,6 +54,36 @@ pub enum TchBackendError {
         /// Why.
         detail: String,
     },
+    /// A model constructor's arguments make no model.
+    #[error("invalid model configuration: {0}")]
+    InvalidConfig(String),
+    /// A model file is missing or unreadable.
+    #[error("model file `{path}`: {reason}")]
+    ModelFile {
+        /// The path given.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A file libtorch cannot load as a TorchScript module.
+    #[error(
+        "`{path}` is not a TorchScript module ({message}); save one with \
+         `torch.jit.script(model).save(path)` (see examples/export_model.py)"
+    )]
+    NotTorchScript {
+        /// The path given.
+        path: String,
+        /// libtorch's message (first line).
+        message: String,
+    },
+    /// Named tensors (a checkpoint) do not match the model's.
+    #[error("tensor `{name}`: {reason}")]
+    StateMismatch {
+        /// The first offending tensor.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// libtorch reported an error.
     #[error("libtorch: {0}")]
     Torch(String),

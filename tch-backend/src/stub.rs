@@ -2,6 +2,7 @@
 //! with [`TchBackendError::NotBuilt`].
 
 use std::convert::Infallible;
+use std::path::Path;
 
 use engine::checkpoint::NamedTensor;
 use engine::model::{LayerInfo, Model};
@@ -27,6 +28,47 @@ impl TchReplica {
         _device: &str,
     ) -> Result<TchReplica, TchBackendError> {
         Err(TchBackendError::NotBuilt)
+    }
+
+    /// Always [`TchBackendError::NotBuilt`] in this build.
+    ///
+    /// # Errors
+    /// Always.
+    pub fn resnet20(
+        _in_ch: usize,
+        _height: usize,
+        _width: usize,
+        _classes: usize,
+        _seed: u64,
+        _optimizer: &OptimizerConfig,
+        _device: &str,
+    ) -> Result<TchReplica, TchBackendError> {
+        Err(TchBackendError::NotBuilt)
+    }
+
+    /// Always [`TchBackendError::NotBuilt`] in this build.
+    ///
+    /// # Errors
+    /// Always.
+    pub fn from_torchscript(
+        _path: &Path,
+        _optimizer: &OptimizerConfig,
+        _device: &str,
+    ) -> Result<TchReplica, TchBackendError> {
+        Err(TchBackendError::NotBuilt)
+    }
+
+    /// Every parameter and buffer with PyTorch `state_dict` names (never called: no value).
+    pub fn named_tensors(&self) -> Vec<NamedTensor> {
+        match self.never {}
+    }
+
+    /// Overwrites parameters and buffers from named tensors (never called: no value).
+    ///
+    /// # Errors
+    /// Never (no value exists).
+    pub fn load_named_tensors(&mut self, _tensors: &[NamedTensor]) -> Result<(), TchBackendError> {
+        match self.never {}
     }
 }
 

@@ -1,4 +1,8 @@
-//! Parity of the libtorch replica with the built-in engine (feature `tch`).
+//! Parity of the libtorch replica with the built-in engine (feature `tch`); ResNet-20 and
+//! TorchScript tests in their own files.
+
+mod resnet;
+mod script;
 
 use engine::model::Model;
 use engine::models::cnn::cnn;
@@ -140,6 +144,55 @@ fn gradients_match_builtin_cnn_digits() {
 #[test]
 fn gradients_match_builtin_cnn_mnist() {
     gradient_parity(&|| cnn(1, 28, 28, 10, 11), &[8, 1, 28, 28], 10);
+}
+
+fn logits_parity(model: Model, shape: &[usize]) {
+    let mut builtin = BuiltinReplica::new(model, &OptimizerConfig::sgd());
+    let mut tch =
+        TchReplica::from_model(&builtin.model, &OptimizerConfig::sgd(), "cpu").expect("tch");
+    let (input, _) = batch(shape, 10, 3);
+    let want = builtin.model.forward(&input, false);
+    let got = tch.logits(&input).expect("logits");
+    assert_eq!(got.shape, want.shape);
+    assert_eq!(got.shape, vec![shape[0], 10]);
+    let diff = want
+        .data
+        .iter()
+        .zip(&got.data)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    println!(
+        "{} logits {shape:?}: max abs diff {diff:.1e}",
+        builtin.model.name
+    );
+    assert!(diff <= 1e-5, "logits differ by {diff:e}");
+    // The seam's logits and the engine's eval forward agree too.
+    assert_eq!(builtin.logits(&input).expect("builtin").data, want.data);
+}
+
+#[test]
+fn logits_match_builtin_eval_forward() {
+    logits_parity(mlp(784, MLP_MNIST_HIDDEN, 10, 3), &[16, 1, 28, 28]);
+    logits_parity(cnn(1, 28, 28, 10, 11), &[8, 1, 28, 28]);
+    logits_parity(cnn(1, 8, 8, 10, 5), &[5, 1, 8, 8]);
+}
+
+#[test]
+fn mirrored_named_tensors_are_engine_names() {
+    let model = cnn(1, 8, 8, 10, 5);
+    let mut tch = TchReplica::from_model(&model, &OptimizerConfig::sgd(), "cpu").expect("tch");
+    let ours = tch.named_tensors();
+    let engine: Vec<(String, Vec<usize>, Vec<f32>)> = engine::checkpoint::named_params(&model)
+        .into_iter()
+        .map(|(n, s, v)| (n, s, v.to_vec()))
+        .collect();
+    assert_eq!(ours, engine);
+    assert_eq!(tch.state_tensors(), engine);
+    let mut other = ours.clone();
+    for t in &mut other {
+        t.2.iter_mut().for_each(|v| *v *= 2.0);
+    }
+    tch.load_named_tensors(&other).expect("load");
+    assert_eq!(tch.named_tensors(), other);
 }
 
 /// Steps both backends 5 times; with `shared_grads` the tch replica gets the built-in
