@@ -184,7 +184,7 @@ impl TchReplica {
     }
 
     /// Mean cross-entropy (log-softmax over the last dim, mean over rows; 0 for no rows).
-    pub(super) fn loss(&self, logits: &Tensor, targets: &[usize]) -> Result<Tensor, ReplicaError> {
+    pub(crate) fn loss(&self, logits: &Tensor, targets: &[usize]) -> Result<Tensor, ReplicaError> {
         let (logits, t) = self.targets_tensor(logits, targets)?;
         let rows = targets.len().max(1) as f64;
         logits
@@ -194,7 +194,7 @@ impl TchReplica {
             .map_err(backend_error)
     }
 
-    pub(super) fn zero_grads(&self) -> Result<(), TchError> {
+    pub(crate) fn zero_grads(&self) -> Result<(), TchError> {
         for unit in self.units.iter().flatten() {
             unit.zero_grads()?;
         }
@@ -251,7 +251,7 @@ impl TchReplica {
 
     /// Forward over one graph (no detached boundaries): training mode for
     /// [`super::measure_backward`] and gradient checks, evaluation mode for `logits`.
-    pub(super) fn forward_plain(
+    pub(crate) fn forward_plain(
         &self,
         input: &HostTensor,
         train: bool,
