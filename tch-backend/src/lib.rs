@@ -1,6 +1,15 @@
-//! dreamddp's libtorch backend: the built-in models (`mlp`, `cnn`) rebuilt layer by layer in
-//! libtorch behind the engine's replica seam ([`engine::replica::ModelReplica`]).
+//! dreamddp's libtorch backend: models in libtorch behind the engine's replica seam
+//! ([`engine::replica::ModelReplica`]): the built-in models (`mlp`, `cnn`) rebuilt layer by
+//! layer, ResNet-20 with BatchNorm, and TorchScript modules.
 //!
+//! * [`TchReplica::resnet20`]: the CIFAR ResNet-20 (option-A shortcuts), one unit per block,
+//!   BatchNorm running statistics synced with their unit's parameters (they follow the
+//!   parameters in the unit's flat values; zeros in its gradients).
+//! * [`TchReplica::from_torchscript`]: a module saved by `torch.jit.script`/`trace`, units per
+//!   top-level child; one plain backward (tch cannot cut a scripted graph), then every unit is
+//!   handed over at once, head first.
+//! * [`TchReplica::named_tensors`] / [`TchReplica::load_named_tensors`]: every parameter and
+//!   buffer with PyTorch `state_dict` names (checkpoints).
 //! * [`TchReplica::from_model`] mirrors an engine [`Model`](engine::model::Model): same layer
 //!   names, parameter names, shapes, order and initial values, so one checkpoint loads in both
 //!   backends and one cluster can mix them.
