@@ -138,9 +138,18 @@ impl UnitBuilder<'_> {
 }
 
 impl TchReplica {
-    /// ResNet-20 (see the [module doc](self)) for `[N, in_ch, height, width]` inputs (28×28
-    /// grayscale, 32×32 colour, or any size ≥ 4) with `classes` outputs on `device`, its
-    /// weights drawn deterministically from `seed`, a fresh `optimizer` per unit.
+    /// ResNet-20 in the CIFAR style (He et al. 2016 §4.2) for `[N, in_ch, height, width]`
+    /// inputs (28×28 grayscale, 32×32 colour, or any size ≥ 4) with `classes` outputs on
+    /// `device`, its weights drawn deterministically from `seed` (Kaiming-normal fan-out convs,
+    /// BatchNorm 1/0, `nn.Linear`'s uniform head), a fresh `optimizer` per unit.
+    ///
+    /// Units, in forward order: `stem` (`conv1`, `bn1`), the basic blocks `layer1.0` …
+    /// `layer3.2` (16/32/64 channels, stride 2 first in stages 2 and 3, option-A shortcuts:
+    /// subsample and zero-pad channels, no parameters), `fc` (global average pool, linear).
+    /// Tensor names are the equivalent PyTorch module's `state_dict` names. A unit's flat values
+    /// are its parameters then its BatchNorm `running_mean`/`running_var`; its gradients have
+    /// zeros in those slots; `num_batches_tracked` stays per replica. Training uses batch
+    /// statistics (running ones updated with momentum 0.1), `logits` the running statistics.
     ///
     /// # Errors
     /// [`TchBackendError::InvalidConfig`] for zero channels/classes or inputs under 4×4, a bad

@@ -77,8 +77,13 @@ impl Script {
 }
 
 impl TchReplica {
-    /// Loads the TorchScript module at `path` onto `device` with a fresh `optimizer` per unit
-    /// (see the [module doc](self) for units and the one-graph backward).
+    /// Loads the TorchScript module at `path` onto `device` with a fresh `optimizer` per unit.
+    ///
+    /// Units are the module's parameters grouped by top-level child (the name before the first
+    /// `.`), in `named_parameters` order. **No staged backward**: tch has no gradient hooks and
+    /// cannot call a scripted module's children, so `forward_backward` runs one plain backward
+    /// and then hands every unit over at once, head first. Buffers (BatchNorm statistics) are
+    /// the module's own: neither synced nor in [`TchReplica::named_tensors`].
     ///
     /// # Errors
     /// [`TchBackendError::ModelFile`] when `path` is missing or not a file,
