@@ -164,6 +164,12 @@ pub struct WorkerProcess {
     /// Local workers.
     #[serde(default = "two")]
     pub workers: usize,
+    /// Compute backend: `builtin` (default) or `tch` (needs a `--features tch` build).
+    #[serde(default)]
+    pub backend: Option<String>,
+    /// Device of the tch backend: `cpu` (default) or `cuda:N`.
+    #[serde(default)]
+    pub device: Option<String>,
 }
 
 fn two() -> usize {
@@ -189,6 +195,12 @@ pub struct EdgeProcess {
     /// relay gets them from the relay's link spec ([`relay_link_figures`]).
     #[serde(default)]
     pub transport: Option<TransportSection>,
+    /// Compute backend: `builtin` (default) or `tch`.
+    #[serde(default)]
+    pub backend: Option<String>,
+    /// Device of the tch backend: `cpu` (default) or `cuda:N`.
+    #[serde(default)]
+    pub device: Option<String>,
 }
 
 /// The link figures of an edge behind `relay`, for sizing its flow-control windows:
@@ -657,6 +669,7 @@ async fn run_cluster(
         Option<&'a EdgeRelay>,
         SyncSection,
         TransportSection,
+        (Option<String>, Option<String>),
     );
     let mut specs: Vec<TrainerSpec> = Vec::new();
     for w in &file.workers {
@@ -667,6 +680,7 @@ async fn run_cluster(
             None,
             file.sync.clone(),
             TransportSection::default(),
+            (w.backend.clone(), w.device.clone()),
         ));
     }
     for e in &file.edges {
@@ -679,9 +693,17 @@ async fn run_cluster(
         }
         let transport = edge_transport(e, !args.clean_links, base_dir)
             .with_context(|| format!("edge {}: link figures of its relay", e.name))?;
-        specs.push((e.name.clone(), "edge", 1, e.relay.as_ref(), sync, transport));
+        specs.push((
+            e.name.clone(),
+            "edge",
+            1,
+            e.relay.as_ref(),
+            sync,
+            transport,
+            (e.backend.clone(), e.device.clone()),
+        ));
     }
-    for (name, role, workers, relay, sync, transport) in specs {
+    for (name, role, workers, relay, sync, transport, (backend, device)) in specs {
         let dir = node_dir(&name)?;
         let mut overrides = HashMap::new();
         let relayed = relay.is_some() && !args.clean_links;
@@ -726,6 +748,8 @@ async fn run_cluster(
                 lr: file.training.lr,
                 eval_every: file.training.eval_every,
                 eval_limit: file.training.eval_limit,
+                backend: backend.unwrap_or_else(|| "builtin".into()),
+                device: device.unwrap_or_else(|| "cpu".into()),
             },
             sync,
             transport,

@@ -92,6 +92,62 @@ fn lossy_cluster_trains_within_one_point_of_the_clean_cluster() {
     assert!(metrics.contains("dreamddp_layer_version"), "{metrics}");
 }
 
+/// `examples/cluster-mixed.toml`: the worker node trains with libtorch, the edges with the
+/// built-in engine, one global model through the aggregators; it ends within one point of
+/// the all-built-in cluster (`cluster-lossy.toml`, same steps), nothing applied twice, nothing
+/// left undelivered. Needs the binary built with the tch feature (CI's tch stage).
+#[cfg(feature = "tch")]
+#[test]
+fn a_tch_worker_and_builtin_edges_co_train_one_model() {
+    let dir = scratch("cluster-mixed");
+    let _cleanup = RemoveOnSuccess(dir.clone());
+    let mixed_file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/cluster-mixed.toml");
+    let mixed = run_cluster(&mixed_file, &dir.join("mixed"), &[]);
+    let builtin = run_cluster(&example(), &dir.join("builtin"), &[]);
+    let acc_mixed = mixed["final_accuracy"].as_f64().unwrap();
+    let acc_builtin = builtin["final_accuracy"].as_f64().unwrap();
+    eprintln!("mixed {acc_mixed:.4} all-builtin {acc_builtin:.4}");
+    assert!(
+        (acc_mixed - acc_builtin).abs() <= 0.01,
+        "mixed {acc_mixed} vs builtin {acc_builtin}"
+    );
+    assert_eq!(mixed["ledger_duplicates"], 0, "{mixed}");
+    for n in mixed["nodes"].as_array().unwrap() {
+        assert!(
+            n["exit"].as_str().unwrap().contains("exit status: 0"),
+            "{n}"
+        );
+        if n["role"] != "aggregator" {
+            assert_eq!(n["undelivered"], 0, "{n}");
+        }
+    }
+    let log = std::fs::read_to_string(dir.join("mixed/node-1/log.txt")).unwrap();
+    assert!(
+        log.contains("backend=tch device=cpu"),
+        "the worker did not run tch"
+    );
+    let log = std::fs::read_to_string(dir.join("mixed/edge-1/log.txt")).unwrap();
+    assert!(log.contains("backend=builtin device=cpu"));
+    // The global model is a checkpoint PyTorch reads (tests/pytorch_checkpoint.rs checks the
+    // format); here: it loads into the built-in mlp.
+    let bytes = std::fs::read(dir.join("mixed/global.safetensors")).unwrap();
+    let mut m = engine::models::mlp::mlp(
+        if engine::data::locate::shared_mnist_dir().is_some() {
+            784
+        } else {
+            64
+        },
+        if engine::data::locate::shared_mnist_dir().is_some() {
+            engine::models::mlp::MLP_MNIST_HIDDEN
+        } else {
+            engine::models::mlp::MLP_DIGITS_HIDDEN
+        },
+        10,
+        0,
+    );
+    engine::checkpoint::load_safetensors(&mut m, &bytes).unwrap();
+}
+
 /// The example cluster on clean links, except edge-2, whose relay is out for the first 30 s:
 /// it cannot reach the aggregators, so after its bootstrap wait (at most 10 s) it trains from
 /// the seeded weights, its deltas miss their deadlines and go to the durable cache, and it

@@ -243,3 +243,67 @@ pub fn set_model_flat_values(model: &mut Model, flat: &[f32]) {
         }
     }
 }
+
+/// Unit `index`'s values or gradients as one flat vector (empty for a layer without
+/// parameters).
+pub fn read_unit(replica: &mut dyn ModelReplica, index: usize, what: UnitData) -> Vec<f32> {
+    let mut out = Vec::new();
+    replica.with_unit(index, &mut |u| u.append_to(what, &mut out));
+    out
+}
+
+/// Overwrites unit `index`'s values or gradients from `src` (its flat length).
+pub fn write_unit(replica: &mut dyn ModelReplica, index: usize, what: UnitData, src: &[f32]) {
+    replica.with_unit(index, &mut |u| u.write_from(what, src));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::mlp::mlp;
+
+    #[test]
+    fn a_builtin_replica_reads_writes_and_steps_its_units() {
+        let model = mlp(8, &[4], 3, 1);
+        let mut r = BuiltinReplica::new(model, &OptimizerConfig::sgd());
+        let infos = r.unit_infos();
+        assert_eq!(
+            infos.iter().map(|i| i.name.as_str()).collect::<Vec<_>>(),
+            ["fc1", "head"]
+        );
+        let x = Tensor::from_vec(&[2, 8], (0..16).map(|i| i as f32 * 0.1).collect());
+        let mut order = Vec::new();
+        let loss = r
+            .forward_backward(&x, &[0, 2], &mut |i, _| order.push(i))
+            .unwrap();
+        assert!(loss.is_finite());
+        assert_eq!(order, [infos[1].index, infos[0].index], "output head first");
+        let g = read_unit(&mut r, infos[1].index, UnitData::Grads);
+        assert_eq!(g.len(), infos[1].params);
+        let before = read_unit(&mut r, infos[1].index, UnitData::Values);
+        r.with_unit(infos[1].index, &mut |u| u.step(0.1));
+        let after = read_unit(&mut r, infos[1].index, UnitData::Values);
+        for ((b, a), g) in before.iter().zip(&after).zip(&g) {
+            assert!((b - 0.1 * g - a).abs() < 1e-6, "plain SGD step");
+        }
+        write_unit(
+            &mut r,
+            infos[0].index,
+            UnitData::Values,
+            &vec![0.25; infos[0].params],
+        );
+        assert!(read_unit(&mut r, infos[0].index, UnitData::Values)
+            .iter()
+            .all(|&v| v == 0.25));
+        let bad = r.forward_backward(&x, &[0, 9], &mut |_, _| {});
+        assert!(
+            matches!(bad, Err(ReplicaError::Batch(_))),
+            "a target out of range is a typed error"
+        );
+        let state = r.state_tensors();
+        let mut other = BuiltinReplica::new(mlp(8, &[4], 3, 2), &OptimizerConfig::sgd());
+        other.load_state_tensors(&state).unwrap();
+        assert_eq!(other.flat_values(), r.flat_values());
+        assert!(other.load_state_tensors(&state[1..]).is_err());
+    }
+}

@@ -3,17 +3,22 @@
 //! SGD inside the node, so all replicas stay identical), and a leader hook that runs on rank 0
 //! between steps. The hook is where the node talks to the rest of the cluster (cross-site
 //! deltas, new global versions): layers it rewrites are copied to every worker before the
-//! next step. Compute runs on plain OS threads, never on an async runtime.
+//! next step. Compute runs on plain OS threads, never on an async runtime. Replicas run on
+//! the node's [`Backend`] behind the replica seam, so a node training with libtorch and one
+//! with the built-in engine exchange the same units.
 
 use std::sync::{Arc, Barrier, Mutex};
 
+use engine::data::sampler::ShardedSampler;
 use engine::lr::LrSchedule;
-use engine::model::Model;
 use engine::optim::OptimizerConfig;
+use engine::replica::{read_unit, write_unit, ModelReplica, ReplicaError, UnitData};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 
+use crate::backend::{Backend, BackendError};
 use crate::collective::{AbortOnPanic, Collective, CollectiveError, ReduceKey};
-use crate::replica::Replica;
-use crate::task::Task;
+use crate::task::{Batch, Task, TaskData};
 use crate::thread_collective::ThreadCollective;
 
 /// What the leader does between steps.
@@ -26,7 +31,7 @@ pub trait LeaderHook: Send {
         &mut self,
         step: u64,
         samples: u64,
-        model: &mut Model,
+        model: &mut dyn ModelReplica,
     ) -> Result<Vec<usize>, String>;
 
     /// Polled after each step: `true` ends training early (e.g. a shutdown was requested).
@@ -54,6 +59,8 @@ pub struct NodeTrainConfig {
     pub optimizer: OptimizerConfig,
     /// Learning-rate schedule.
     pub schedule: LrSchedule,
+    /// Compute backend of the node's replicas.
+    pub backend: Backend,
 }
 
 /// Errors of a node's training run.
@@ -71,6 +78,52 @@ pub enum NodeTrainError {
     /// A worker thread panicked.
     #[error("worker thread {0} panicked")]
     Panicked(usize),
+    /// The backend could not build a replica.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// A forward/backward failed (a batch that does not fit, a backend error).
+    #[error("step {step}: {source}")]
+    Step {
+        /// Step.
+        step: u64,
+        /// What failed.
+        source: ReplicaError,
+    },
+}
+
+/// One worker of a node: a replica on the node's backend, its data shard and its schedule.
+struct Worker {
+    replica: Box<dyn ModelReplica>,
+    sampler: ShardedSampler,
+    rng: ChaCha8Rng,
+    batch: Batch,
+    batch_size: usize,
+    task: Task,
+    schedule: LrSchedule,
+    steps: u64,
+}
+
+impl Worker {
+    fn new(task: &Task, config: &NodeTrainConfig, rank: usize) -> Result<Self, NodeTrainError> {
+        let replica = config
+            .backend
+            .build_replica(task, config.seed, &config.optimizer)?;
+        let sampler = ShardedSampler::new(task.train_len(), rank, config.world, config.seed, true)
+            .map_err(|e| NodeTrainError::Config(e.to_string()))?;
+        let rng = ChaCha8Rng::seed_from_u64(
+            config.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)),
+        );
+        Ok(Self {
+            replica,
+            sampler,
+            rng,
+            batch: Batch::default(),
+            batch_size: config.batch_size,
+            task: task.clone(),
+            schedule: config.schedule,
+            steps: 0,
+        })
+    }
 }
 
 /// What a node's training run did.
@@ -93,13 +146,13 @@ type Broadcast = Mutex<Vec<(usize, Vec<f32>)>>;
 
 /// Trains `task` on this node. `initial` (model layer index → values) overrides the seeded
 /// initial weights (the global model a node bootstraps from). Blocks until done; returns the
-/// report and the leader's final model.
+/// report and the leader's final replica.
 pub fn run_node_training(
     task: &Task,
     config: &NodeTrainConfig,
     initial: &[(usize, Vec<f32>)],
     hook: &mut dyn LeaderHook,
-) -> Result<(NodeTrainReport, Model), NodeTrainError> {
+) -> Result<(NodeTrainReport, Box<dyn ModelReplica>), NodeTrainError> {
     if config.workers == 0 {
         return Err(NodeTrainError::Config("workers must be at least 1".into()));
     }
@@ -113,24 +166,18 @@ pub fn run_node_training(
     }
     let mut replicas = Vec::with_capacity(config.workers);
     for w in 0..config.workers {
-        let mut r = Replica::new(
-            task,
-            config.seed,
-            config.first_rank + w,
-            config.world,
-            config.batch_size,
-            &config.optimizer,
-            config.schedule,
-        )
-        .map_err(NodeTrainError::Config)?;
+        let mut r = Worker::new(task, config, config.first_rank + w)?;
+        let infos = r.replica.unit_infos();
         for (index, values) in initial {
-            if *index >= r.model.layers.len() || r.model.layer_values(*index).len() != values.len()
+            if !infos
+                .iter()
+                .any(|i| i.index == *index && i.params == values.len())
             {
                 return Err(NodeTrainError::Config(format!(
                     "initial values for layer index {index} do not fit the model"
                 )));
             }
-            r.model.set_layer_values(*index, values);
+            write_unit(r.replica.as_mut(), *index, UnitData::Values, values);
         }
         replicas.push(r);
     }
@@ -162,7 +209,7 @@ pub fn run_node_training(
                     {
                         let published = broadcast.lock().unwrap_or_else(|p| p.into_inner());
                         for (index, values) in published.iter() {
-                            replica.model.set_layer_values(*index, values);
+                            write_unit(replica.replica.as_mut(), *index, UnitData::Values, values);
                         }
                     }
                     barrier.wait();
@@ -170,7 +217,7 @@ pub fn run_node_training(
                         break;
                     }
                 }
-                Ok(replica.model.flat_values())
+                Ok(replica.replica.flat_values())
             }));
         }
 
@@ -194,14 +241,17 @@ pub fn run_node_training(
             if config.workers > 1 {
                 barrier.wait();
             }
-            let changed = hook.after_step(done, samples_per_step, &mut leader.model);
+            let changed = hook.after_step(done, samples_per_step, leader.replica.as_mut());
             let stop_now = changed.is_err() || hook.should_stop();
             if config.workers > 1 {
                 let mut published = broadcast.lock().unwrap_or_else(|p| p.into_inner());
                 published.clear();
                 if let Ok(changed) = &changed {
                     for &index in changed {
-                        published.push((index, leader.model.layer_values(index)));
+                        published.push((
+                            index,
+                            read_unit(leader.replica.as_mut(), index, UnitData::Values),
+                        ));
                     }
                 }
                 drop(published);
@@ -220,7 +270,7 @@ pub fn run_node_training(
         if result.is_err() {
             collective.shutdown("the node leader stopped");
         }
-        let leader_values = leader.model.flat_values();
+        let leader_values = leader.replica.flat_values();
         let mut divergence = 0.0f32;
         for (i, h) in handles.into_iter().enumerate() {
             match h.join() {
@@ -244,39 +294,54 @@ pub fn run_node_training(
             replica_divergence: divergence,
         })
     });
-    report.map(|r| (r, leader.model))
+    report.map(|r| (r, leader.replica))
 }
 
 /// One synchronous-SGD step of one worker: forward/backward, gradient mean across the node's
 /// workers (one flat all-reduce), optimizer step. Returns the training loss.
 fn train_step(
-    replica: &mut Replica,
+    w: &mut Worker,
     collective: &dyn Collective,
     rank: usize,
     step: u64,
 ) -> Result<f32, NodeTrainError> {
-    let loss = replica.forward_backward(&mut |_, _| {});
+    if matches!(w.task.data, TaskData::Images(_)) {
+        w.batch.indices = w.sampler.next_batch(w.batch_size);
+    }
+    w.task.fill_batch(&mut w.batch, &mut w.rng, w.batch_size);
+    let loss = w
+        .replica
+        .forward_backward(&w.batch.input, &w.batch.targets, &mut |_, _| {})
+        .map_err(|source| NodeTrainError::Step { step, source })?;
+    let units: Vec<usize> = w.replica.unit_infos().iter().map(|i| i.index).collect();
     if collective.world() > 1 {
-        let n_layers = replica.model.layers.len();
         let mut flat = Vec::new();
-        let mut lens = Vec::with_capacity(n_layers);
-        for i in 0..n_layers {
-            let g = replica.layer_grads(i);
-            lens.push(g.len());
-            flat.extend_from_slice(&g);
+        let mut lens = Vec::with_capacity(units.len());
+        for &i in &units {
+            let before = flat.len();
+            w.replica
+                .with_unit(i, &mut |u| u.append_to(UnitData::Grads, &mut flat));
+            lens.push(flat.len() - before);
         }
         let mean = collective
             .all_reduce_mean(rank, ReduceKey::new(step, 0), flat)?
             .wait()?;
         let mut off = 0;
-        for (i, len) in lens.into_iter().enumerate() {
-            if len > 0 {
-                replica.set_layer_grads(i, &mean[off..off + len]);
-            }
+        for (&i, len) in units.iter().zip(lens) {
+            write_unit(
+                w.replica.as_mut(),
+                i,
+                UnitData::Grads,
+                &mean[off..off + len],
+            );
             off += len;
         }
     }
-    replica.step_all();
+    let lr = w.schedule.lr_at(w.steps);
+    for &i in &units {
+        w.replica.with_unit(i, &mut |u| u.step(lr));
+    }
+    w.steps += 1;
     Ok(loss)
 }
 
@@ -296,13 +361,18 @@ mod tests {
             &mut self,
             step: u64,
             samples: u64,
-            model: &mut Model,
+            model: &mut dyn ModelReplica,
         ) -> Result<Vec<usize>, String> {
             self.calls.push((step, samples));
             if step == self.rewrite_at {
-                let len = model.layer_values(0).len();
-                model.set_layer_values(0, &vec![0.5; len]);
-                return Ok(vec![0]);
+                let first = model.unit_infos()[0].clone();
+                write_unit(
+                    model,
+                    first.index,
+                    UnitData::Values,
+                    &vec![0.5; first.params],
+                );
+                return Ok(vec![first.index]);
             }
             Ok(Vec::new())
         }
@@ -326,6 +396,7 @@ mod tests {
             world: workers,
             optimizer: OptimizerConfig::sgd(),
             schedule: LrSchedule::constant(0.05),
+            backend: Backend::Builtin,
         }
     }
 
@@ -369,11 +440,11 @@ mod tests {
             rewrite_at: 0,
             stop_at: u64::MAX,
         };
-        let Err(err) = run_node_training(&task, &config(1, 1), &[(0, vec![1.0; 3])], &mut hook)
+        let Err(err) = run_node_training(&task, &config(1, 1), &[(1, vec![1.0; 3])], &mut hook)
         else {
             panic!("values of the wrong length were accepted");
         };
-        assert!(err.to_string().contains("layer index 0"), "{err}");
+        assert!(err.to_string().contains("layer index 1"), "{err}");
         let mut bad = config(2, 1);
         bad.world = 1;
         assert!(run_node_training(&task, &bad, &[], &mut hook).is_err());

@@ -72,6 +72,20 @@ pub struct TrainingSection {
     /// Test examples per evaluation.
     #[serde(default = "default_eval_limit")]
     pub eval_limit: usize,
+    /// Compute backend of this node's replicas: `builtin` or `tch` (a binary built with
+    /// `--features tch`). Nodes of one cluster may differ: they exchange the same layers.
+    #[serde(default = "default_backend")]
+    pub backend: String,
+    /// Device of the tch backend: `cpu` or `cuda:N`.
+    #[serde(default = "default_device")]
+    pub device: String,
+}
+
+fn default_backend() -> String {
+    "builtin".into()
+}
+fn default_device() -> String {
+    "cpu".into()
 }
 
 fn one() -> usize {

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Instant;
 
-use engine::model::Model;
+use engine::replica::{read_unit, write_unit, ModelReplica, UnitData};
 use node::layout::SyncLayerDef;
 use node::training::LeaderHook;
 use protocol::{Message, NodeStats, Role};
@@ -194,7 +194,7 @@ impl SyncDriver {
     /// Handles everything that arrived and every due timeout, executes the client's outputs,
     /// and returns the model layers it rewrote. Call often (after every step, and in a loop
     /// while draining at the end).
-    pub fn pump(&mut self, model: &mut Model) -> Result<Vec<usize>, String> {
+    pub fn pump(&mut self, model: &mut dyn ModelReplica) -> Result<Vec<usize>, String> {
         if let Some(f) = &self.fatal {
             return Err(f.clone());
         }
@@ -247,7 +247,11 @@ impl SyncDriver {
         Ok(())
     }
 
-    fn drain_outputs(&mut self, model: &mut Model, changed: &mut Vec<usize>) -> Result<(), String> {
+    fn drain_outputs(
+        &mut self,
+        model: &mut dyn ModelReplica,
+        changed: &mut Vec<usize>,
+    ) -> Result<(), String> {
         while let Some(out) = self.client.poll_output() {
             let now = self.now();
             match out {
@@ -295,13 +299,13 @@ impl SyncDriver {
                         continue;
                     };
                     let index = self.layers[li].model_index;
-                    self.scratch = model.layer_values(index);
+                    self.scratch = read_unit(model, index, UnitData::Values);
                     match self
                         .client
                         .apply_version(layer_id, &mut self.scratch, &values, version)
                     {
                         Ok(true) => {
-                            model.set_layer_values(index, &self.scratch);
+                            write_unit(model, index, UnitData::Values, &self.scratch);
                             self.counters.versions_applied += 1;
                             if !changed.contains(&index) {
                                 changed.push(index);
@@ -438,14 +442,14 @@ impl SyncDriver {
         self.cache.entries().unwrap_or_default()
     }
 
-    fn cut(&mut self, step: u64, samples: u64, model: &Model) -> Result<(), String> {
+    fn cut(&mut self, step: u64, samples: u64, model: &mut dyn ModelReplica) -> Result<(), String> {
         let now = self.now();
         let layers = &self.layers;
         let by_id = &self.by_id;
         let mut values: HashMap<u32, Vec<f32>> = HashMap::new();
         for id in self.client.due_layers(step).collect::<Vec<_>>() {
             if let Some(&i) = by_id.get(&id) {
-                let theta = model.layer_values(layers[i].model_index);
+                let theta = read_unit(model, layers[i].model_index, UnitData::Values);
                 let theta = match (&self.top_k, self.client.anchor(id)) {
                     (Some(top_k), Some(anchor)) if anchor.len() == theta.len() => top_k
                         .sparsify(&theta, anchor)
@@ -469,7 +473,7 @@ impl LeaderHook for SyncDriver {
         &mut self,
         step: u64,
         samples: u64,
-        model: &mut Model,
+        model: &mut dyn ModelReplica,
     ) -> Result<Vec<usize>, String> {
         self.counters.step = step;
         // Versions that arrived during the step are applied before the cut, so the delta is

@@ -9,8 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine::lr::LrSchedule;
-use engine::model::Model;
 use engine::optim::OptimizerConfig;
+use engine::replica::{read_unit, BuiltinReplica, ModelReplica, UnitData};
+use node::backend::Backend;
 use node::layout::{sync_layout, SyncLayerDef};
 use node::task::Task;
 use node::training::{run_node_training, LeaderHook, NodeTrainConfig};
@@ -121,11 +122,11 @@ impl LeaderHook for NodeLeader<'_> {
         &mut self,
         step: u64,
         samples: u64,
-        model: &mut Model,
+        model: &mut dyn ModelReplica,
     ) -> Result<Vec<usize>, String> {
         let changed = self.driver.after_step(step, samples, model)?;
         if self.eval_every > 0 && step.is_multiple_of(self.eval_every) {
-            let e = self.task.evaluate(model, Some(self.eval_limit));
+            let e = self.task.evaluate_replica(model, Some(self.eval_limit))?;
             self.driver.set_accuracy(e.accuracy.map(|a| a as f32));
             info!(
                 "[EVAL] step={step} accuracy={} loss={:.4}",
@@ -150,6 +151,9 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         move |source| NodeRunError::Io { path, source }
     };
     std::fs::create_dir_all(&config.node.data_dir).map_err(io(&config.node.data_dir))?;
+    let backend = Backend::parse(&config.training.backend, &config.training.device)
+        .and_then(|b| b.probe().map(|()| b))
+        .map_err(|e| NodeRunError::Training(format!("[training] backend/device: {e}")))?;
     let task = config.model.load_task().map_err(NodeRunError::Data)?;
     let model = task.build_model(config.model.seed);
     let layout: Vec<SyncLayerDef> = sync_layout(&model);
@@ -166,9 +170,11 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
     let incarnation = next_incarnation(&config.node.data_dir)?;
     let cached = cache.entries()?;
     info!(
-        "[START] node={} id={} incarnation={incarnation} cached_deltas={}",
+        "[START] node={} id={} backend={} device={} incarnation={incarnation} cached_deltas={}",
         config.node.name,
         config.node.id,
+        backend.name(),
+        backend.device(),
         cached.len()
     );
 
@@ -274,7 +280,7 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
     driver.note_restored(restored);
 
     // Bootstrap: the aggregators answer our Subscribe with the current global versions.
-    let mut boot_model = model;
+    let mut boot_model = BuiltinReplica::new(model, &OptimizerConfig::sgd());
     let wanted: std::collections::HashMap<u32, u64> =
         net.join_ack.layer_versions.iter().copied().collect();
     let boot_deadline = Instant::now() + Duration::from_secs(10);
@@ -285,7 +291,7 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
             .map_err(NodeRunError::Training)?
         {
             initial.retain(|(i, _)| *i != index);
-            initial.push((index, boot_model.layer_values(index)));
+            initial.push((index, read_unit(&mut boot_model, index, UnitData::Values)));
         }
         let stats = driver.stats();
         let have: std::collections::HashMap<u32, u64> = stats.layer_versions.into_iter().collect();
@@ -305,7 +311,10 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
     // Layers whose global version is newer than the seeded init start from it.
     for l in &layout {
         if !initial.iter().any(|(i, _)| *i == l.model_index) {
-            initial.push((l.model_index, boot_model.layer_values(l.model_index)));
+            initial.push((
+                l.model_index,
+                read_unit(&mut boot_model, l.model_index, UnitData::Values),
+            ));
         }
     }
 
@@ -318,6 +327,7 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         world: config.training.world,
         optimizer: OptimizerConfig::sgd(),
         schedule: LrSchedule::constant(config.training.lr),
+        backend: backend.clone(),
     };
     let mut leader = NodeLeader {
         driver,
@@ -334,7 +344,7 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
     let drain_until = Instant::now() + Duration::from_secs(config.sync.drain_timeout_s);
     while driver.undelivered() > 0 && Instant::now() < drain_until {
         driver
-            .pump(&mut final_model)
+            .pump(final_model.as_mut())
             .map_err(NodeRunError::Training)?;
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -342,7 +352,9 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
     if undelivered > 0 {
         warn!("[WARN] leaving with {undelivered} undelivered deltas (kept in the weak-sync cache for the next start)");
     }
-    let eval = task.evaluate(&mut final_model, None);
+    let eval = task
+        .evaluate_replica(final_model.as_mut(), None)
+        .map_err(NodeRunError::Training)?;
     driver.set_accuracy(eval.accuracy.map(|a| a as f32));
     driver.report_now();
     std::thread::sleep(Duration::from_millis(100));

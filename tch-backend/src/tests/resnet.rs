@@ -304,8 +304,9 @@ pub(super) fn torch_python() -> Option<PathBuf> {
 }
 
 pub(super) fn example(name: &str) -> PathBuf {
+    // The examples live at the workspace root (`examples/`), beside the other user-facing ones.
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("examples")
+        .join("../examples")
         .join(name)
 }
 

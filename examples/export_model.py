@@ -4,7 +4,7 @@ Usage: python export_model.py OUT.pt [--seed N]
 
 The model is an nn.Sequential with named children, so dreamddp's sync units are its
 parameterized children, in forward order: conv1, conv2, fc1, fc2, fc3. Train it with
-`TchReplica::from_torchscript(OUT.pt, ...)` (any module saved with `torch.jit.script(...).save`
+`dreamddp train --backend tch --model OUT.pt --dataset mnist` (any module saved with `torch.jit.script(...).save`
 or `torch.jit.trace(...).save` loads the same way; units are the top-level children).
 """
 
