@@ -1,6 +1,6 @@
 //! dreamddp's libtorch backend: models in libtorch behind the engine's replica seam
-//! ([`engine::replica::ModelReplica`]): the built-in models (`mlp`, `cnn`) rebuilt layer by
-//! layer, ResNet-20 with BatchNorm, and TorchScript modules.
+//! ([`engine::replica::ModelReplica`]): the built-in models (`mlp`, `cnn`, `gpt-tiny`) rebuilt
+//! layer by layer, ResNet-20 with BatchNorm, and TorchScript modules.
 //!
 //! * [`TchReplica::resnet20`]: the CIFAR ResNet-20 (option-A shortcuts), one unit per block,
 //!   BatchNorm running statistics synced with their unit's parameters (they follow the
@@ -12,7 +12,10 @@
 //!   buffer with PyTorch `state_dict` names (checkpoints).
 //! * [`TchReplica::from_model`] mirrors an engine [`Model`](engine::model::Model): same layer
 //!   names, parameter names, shapes, order and initial values, so one checkpoint loads in both
-//!   backends and one cluster can mix them.
+//!   backends and one cluster can mix them. `gpt-tiny` becomes three kinds of units: `embed`
+//!   (token + learned position embedding), `block{i}` (pre-LN transformer block: causal
+//!   attention scaled by 1/√head_dim, tanh-approximate GELU MLP, LayerNorm eps 1e-5) and `head`
+//!   (final LayerNorm + an untied projection), logits `[B·T, vocab]` for `[B, T]` token ids.
 //! * `forward_backward` runs the forward in **stages** (one per parameterized layer, the
 //!   parameter-free layers after it fused into its stage) with detached stage boundaries, then a
 //!   staged backward: `loss.backward()` for the last stage, then

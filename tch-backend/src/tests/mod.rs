@@ -1,12 +1,14 @@
-//! Parity of the libtorch replica with the built-in engine (feature `tch`); ResNet-20 and
-//! TorchScript tests in their own files.
+//! Parity of the libtorch replica with the built-in engine (feature `tch`); gpt-tiny,
+//! ResNet-20 and TorchScript tests in their own files.
 
+mod gpt;
 mod resnet;
 mod script;
 
+use engine::layer::Layer;
+use engine::layers::layernorm::LayerNorm;
 use engine::model::Model;
 use engine::models::cnn::cnn;
-use engine::models::gpt::{gpt_tiny, GptConfig};
 use engine::models::mlp::{mlp, MLP_DIGITS_HIDDEN, MLP_MNIST_HIDDEN};
 use engine::optim::OptimizerConfig;
 use engine::replica::{BuiltinReplica, ModelReplica, ReplicaError, UnitData};
@@ -365,16 +367,23 @@ fn devices_are_checked_without_panicking() {
 
 #[test]
 fn unsupported_layers_are_named() {
-    let model = gpt_tiny(&GptConfig::tiny(11), 0);
+    // A standalone LayerNorm is not mirrored (gpt-tiny's norms live inside its block/head).
+    let model = Model::new(
+        "ln-only",
+        vec![("norm", Box::new(LayerNorm::new(4)) as Box<dyn Layer>)],
+    );
     let err = TchReplica::from_model(&model, &OptimizerConfig::adamw(), "cpu")
         .err()
-        .expect("gpt-tiny is not mirrored");
+        .expect("a standalone layernorm is not mirrored");
     let text = err.to_string();
     assert!(
-        matches!(err, TchBackendError::UnsupportedLayer { ref name, ref kind, .. } if name == "embed" && kind == "embedding"),
+        matches!(err, TchBackendError::UnsupportedLayer { ref name, ref kind, .. } if name == "norm" && kind == "layernorm"),
         "{text}"
     );
-    assert!(text.contains("embed"), "{text}");
+    assert!(
+        text.contains("norm") && text.contains("embedding"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -4,6 +4,7 @@
 //! * [`unit`]: one sync unit's tensors (parameters, BatchNorm buffers) and its flat vectors.
 //! * [`optim`]: the engine's optimizers as tensor ops on a unit.
 //! * [`ops`]: the forward ops a stage is made of (mirrored engine layers, ResNet blocks).
+//! * [`gpt`]: the `gpt-tiny` layers (embedding, pre-LN block, LM head).
 //! * [`replica`]: [`TchReplica`], its staged forward/backward and the replica seam.
 //! * [`resnet`]: the ResNet-20 constructor (BatchNorm, basic blocks).
 //! * [`script`]: TorchScript modules (bring your own model).
@@ -11,6 +12,7 @@
 //! * [`measure`]: the staged-vs-plain backward measurement.
 
 mod device;
+mod gpt;
 mod measure;
 mod ops;
 mod optim;

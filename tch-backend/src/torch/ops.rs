@@ -1,6 +1,6 @@
 //! The forward ops a stage is made of: the mirrored engine layers (what each engine layer
-//! becomes, checked against its parameters) and the ResNet ops (implemented in
-//! [`super::resnet`]).
+//! becomes, checked against its parameters; the `gpt-tiny` layers in [`super::gpt`]) and the
+//! ResNet ops (implemented in [`super::resnet`]).
 
 use std::any::Any;
 
@@ -10,8 +10,8 @@ use engine::layers::linear::Linear;
 use engine::layers::pool::MaxPool2d;
 use tch::{TchError, Tensor};
 
-use super::resnet;
 use super::unit::{TchParam, TchUnit};
+use super::{gpt, resnet};
 use crate::TchBackendError;
 
 /// One step of a stage's forward.
@@ -41,6 +41,16 @@ pub(super) enum Op {
     },
     /// ResNet head: global average pool → linear.
     ResHead,
+    /// GPT token + position embedding (see [`super::gpt`]); ids `[B, T]` → `[B, T, dim]`.
+    Embedding {
+        vocab: i64,
+    },
+    /// GPT pre-LN transformer block (see [`super::gpt`]).
+    GptBlock {
+        heads: i64,
+    },
+    /// GPT final LayerNorm + projection to the vocabulary, `[B·T, vocab]`.
+    LmHead,
 }
 
 /// What a layer of the engine model becomes.
@@ -51,6 +61,9 @@ pub(super) fn op_of(name: &str, layer: &dyn Layer) -> Result<Op, TchBackendError
         kind: kind.to_string(),
         detail: detail.to_string(),
     };
+    if let Some(op) = gpt::op_of(name, layer) {
+        return op;
+    }
     let any: &dyn Any = layer;
     let params = layer.params();
     let shapes: Vec<&[usize]> = params.iter().map(|p| p.shape.as_slice()).collect();
@@ -95,7 +108,7 @@ pub(super) fn op_of(name: &str, layer: &dyn Layer) -> Result<Op, TchBackendError
             })
         }
         _ => Err(unsupported(
-            "supported kinds: flatten, linear, relu, conv2d, maxpool2d",
+            "supported kinds: flatten, linear, relu, conv2d, maxpool2d, embedding, block, lm_head",
         )),
     }
 }
@@ -118,6 +131,9 @@ pub(super) fn apply(
             planes,
         } => resnet::block(x, need_unit()?, stride, in_planes, planes, train),
         Op::ResHead => resnet::head(x, need_unit()?),
+        Op::Embedding { vocab } => gpt::embedding(x, need_unit()?, vocab),
+        Op::GptBlock { heads } => gpt::block(x, need_unit()?, heads),
+        Op::LmHead => gpt::lm_head(x, need_unit()?),
         Op::Flatten => {
             let batch = x.size().first().copied().unwrap_or(1);
             x.f_reshape([batch, -1])

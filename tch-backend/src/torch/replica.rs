@@ -395,8 +395,13 @@ impl ModelReplica for TchReplica {
             })?,
         };
         let size = out.size();
-        let rows = input.shape.first().copied().unwrap_or(0);
         let numel: usize = size.iter().map(|&d| d.max(0) as usize).product();
+        // A `[rows, classes]` output keeps its shape (gpt-tiny: rows = B·T); anything else is
+        // one row per input sample.
+        let rows = match size.as_slice() {
+            &[rows, _] => rows.max(0) as usize,
+            _ => input.shape.first().copied().unwrap_or(0),
+        };
         let classes = numel.checked_div(rows).unwrap_or(0);
         let mut data = Vec::with_capacity(numel);
         append_f32(&out, numel, &mut data).map_err(backend_error)?;
