@@ -25,7 +25,7 @@ use crate::cli::BenchArgs;
 /// Samples per training step (the MNIST batch of the issue).
 pub const BATCH: usize = 128;
 /// Learning rate of the plain SGD step (its value does not change the timing).
-const LEARNING_RATE: f32 = 0.01;
+pub const LEARNING_RATE: f32 = 0.01;
 /// MNIST image side.
 const IMAGE_SIDE: usize = 28;
 /// MNIST classes.
@@ -79,7 +79,7 @@ impl BenchModel {
     }
 
     /// Shape of one input batch.
-    fn input_shape(self) -> Vec<usize> {
+    pub fn input_shape(self) -> Vec<usize> {
         match self {
             Self::Mlp => vec![BATCH, IMAGE_SIDE * IMAGE_SIDE],
             Self::Cnn => vec![BATCH, 1, IMAGE_SIDE, IMAGE_SIDE],
@@ -87,7 +87,7 @@ impl BenchModel {
     }
 
     /// The built-in model with deterministic weights.
-    fn build(self) -> Model {
+    pub fn build(self) -> Model {
         match self {
             Self::Mlp => engine::models::mlp::mlp(
                 IMAGE_SIDE * IMAGE_SIDE,
@@ -476,6 +476,8 @@ pub struct BenchReport {
     pub batch: usize,
     /// One entry per model.
     pub models: Vec<ModelResult>,
+    /// The libtorch rows (builds with the `tch` feature).
+    pub tch: Vec<crate::bench_tch::TchRow>,
 }
 
 /// The table printed on stdout.
@@ -536,6 +538,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
 
     let mut results = Vec::with_capacity(models.len());
+    let mut tch_rows = Vec::new();
     for model in models {
         eprintln!(
             "timing {} (ours, then PyTorch, then ours again)",
@@ -549,13 +552,27 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             Err(why) => Err(why.to_string()),
         };
         let (ours_second, loss) = time_ours(model, args.steps, args.warmup);
-        results.push(ModelResult::new(
-            model,
-            ours_first,
-            ours_second,
-            loss,
-            torch_result,
-        ));
+        let result = ModelResult::new(model, ours_first, ours_second, loss, torch_result);
+        if tch_backend::AVAILABLE {
+            eprintln!("timing {} on the tch backend", model.name());
+            let shape = model.input_shape();
+            let input = Tensor::from_vec(&shape, pseudo_random_batch(shape.iter().product(), SEED));
+            let labels: Vec<usize> = (0..BATCH).map(|i| (i * 7 + 3) % CLASSES).collect();
+            let torch_ms = result.torch.as_ref().map(|t| t.ms_per_step_median);
+            match crate::bench_tch::time_tch(
+                model,
+                &input,
+                &labels,
+                args.steps,
+                args.warmup,
+                torch_ms,
+                result.ours_ms,
+            ) {
+                Ok(row) => tch_rows.push(row),
+                Err(e) => eprintln!("tch backend on {}: {e}", model.name()),
+            }
+        }
+        results.push(result);
     }
 
     let report = BenchReport {
@@ -564,8 +581,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         warmup: args.warmup,
         batch: BATCH,
         models: results,
+        tch: tch_rows,
     };
     print!("{}", format_table(&report));
+    let why_none =
+        (!tch_backend::AVAILABLE).then_some("this binary was built without `--features tch`");
+    print!(
+        "{}",
+        crate::bench_tch::format_tch_rows(&report.tch, why_none)
+    );
     let json = serde_json::to_string_pretty(&report).context("serializing the bench report")?;
     std::fs::write(&args.out, json + "\n")
         .with_context(|| format!("writing {}", args.out.display()))?;
@@ -685,6 +709,7 @@ mod tests {
             warmup: 0,
             batch: BATCH,
             models: vec![r],
+            tch: Vec::new(),
         });
         assert!(
             table.contains("n/a") && table.contains("no PyTorch number: no torch"),

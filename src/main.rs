@@ -1,6 +1,7 @@
 //! `dreamddp`: the command-line entry point. Subcommands live in their own modules.
 
 mod bench_cmd;
+mod bench_tch;
 mod cli;
 mod cluster_cmd;
 mod compare;

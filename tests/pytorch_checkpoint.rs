@@ -211,3 +211,108 @@ fn a_checkpoint_of_another_model_is_refused_with_the_tensor_it_lacks() {
     assert!(o.status.success(), "{}", text(&o));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The embedded digits written as a generic tensor data set (`train_x [N, …]` f32 or u8,
+/// `train_y [N]` i64): it trains like the built-in loader's copy, and a model whose input it
+/// does not fit is refused with the shapes named.
+#[test]
+fn a_safetensors_data_set_trains_and_a_shape_misfit_is_explained() {
+    let dir = scratch("tensor-data");
+    let tt = load_digits_embedded();
+    let write = |path: &Path, flat: bool| {
+        let shape = |n: usize| -> Vec<usize> {
+            if flat {
+                vec![n, 64]
+            } else {
+                vec![n, 1, 8, 8]
+            }
+        };
+        let tx: Vec<u8> = tt
+            .train
+            .features
+            .iter()
+            .map(|&v| (v * 255.0).round() as u8)
+            .collect();
+        let vx: Vec<u8> = tt
+            .test
+            .features
+            .iter()
+            .map(|&v| (v * 255.0).round() as u8)
+            .collect();
+        let ty: Vec<u8> = tt
+            .train
+            .labels
+            .iter()
+            .flat_map(|&l| i64::from(l).to_le_bytes())
+            .collect();
+        let vy: Vec<u8> = tt
+            .test
+            .labels
+            .iter()
+            .flat_map(|&l| i64::from(l).to_le_bytes())
+            .collect();
+        let bytes = safetensors::serialize(
+            [
+                (
+                    "train_x",
+                    TensorView::new(Dtype::U8, shape(tt.train.len()), &tx).unwrap(),
+                ),
+                (
+                    "train_y",
+                    TensorView::new(Dtype::I64, vec![tt.train.len()], &ty).unwrap(),
+                ),
+                (
+                    "test_x",
+                    TensorView::new(Dtype::U8, shape(tt.test.len()), &vx).unwrap(),
+                ),
+                (
+                    "test_y",
+                    TensorView::new(Dtype::I64, vec![tt.test.len()], &vy).unwrap(),
+                ),
+            ],
+            None,
+        )
+        .unwrap();
+        std::fs::write(path, bytes).unwrap();
+    };
+    let images = dir.join("digits-images.safetensors");
+    let flat = dir.join("digits-flat.safetensors");
+    write(&images, false);
+    write(&flat, true);
+    let o = dreamddp(&[
+        "train",
+        "--quiet",
+        "--model",
+        "cnn",
+        "--dataset",
+        images.to_str().unwrap(),
+        "--workers",
+        "2",
+        "--steps",
+        "200",
+        "--eval-every",
+        "0",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    let acc: f64 = t
+        .split("test accuracy ")
+        .nth(1)
+        .and_then(|r| r.split('%').next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no accuracy in {t}"));
+    assert!(acc > 80.0, "cnn on the digits tensor file: {acc}%");
+    let o = dreamddp(&[
+        "train",
+        "--quiet",
+        "--model",
+        "cnn",
+        "--dataset",
+        flat.to_str().unwrap(),
+        "--steps",
+        "2",
+    ]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("samples of shape [64]"), "{}", text(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -42,6 +42,9 @@ pub enum BackendError {
     /// The tch backend failed (not compiled in, no CUDA, unsupported layer).
     #[error(transparent)]
     Tch(#[from] tch_backend::TchBackendError),
+    /// The replica's data shard could not be set up (e.g. more shards than examples).
+    #[error("data shard: {0}")]
+    Shard(String),
     /// A model only the tch backend builds, asked of the built-in engine.
     #[error("model `{0}` needs the tch backend (the built-in engine has no BatchNorm or TorchScript): add `--backend tch`")]
     NeedsTch(String),

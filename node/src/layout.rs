@@ -3,7 +3,7 @@
 //! same layout from the same model, so a `layer_id` means the same tensor everywhere: the
 //! `i`-th layer that has parameters gets `layer_id = i`, its parameters flattened in order.
 
-use engine::model::Model;
+use engine::model::{LayerInfo, Model};
 
 /// One synchronized layer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -16,6 +16,39 @@ pub struct SyncLayerDef {
     pub name: String,
     /// Number of f32 values (all its parameters, flattened).
     pub len: usize,
+}
+
+/// Checks that a replica's sync units (`ModelReplica::unit_infos`, e.g. of the tch backend)
+/// are exactly the cluster's layout: same layers, names, model indices and lengths, in order.
+/// The error names the first layer that differs, so a node whose backend would exchange other
+/// tensors than the cluster's never starts.
+pub fn check_units_match(layout: &[SyncLayerDef], units: &[LayerInfo]) -> Result<(), String> {
+    for (i, def) in layout.iter().enumerate() {
+        let Some(u) = units.get(i) else {
+            return Err(format!(
+                "layer {} (`{}`, {} values) is missing from this node's model ({} units)",
+                def.layer_id,
+                def.name,
+                def.len,
+                units.len()
+            ));
+        };
+        if u.name != def.name || u.params != def.len || u.index != def.model_index {
+            return Err(format!(
+                "layer {} differs: the cluster has `{}` ({} values, model layer {}), this node's \
+                 model has `{}` ({} values, model layer {})",
+                def.layer_id, def.name, def.len, def.model_index, u.name, u.params, u.index
+            ));
+        }
+    }
+    if let Some(extra) = units.get(layout.len()) {
+        return Err(format!(
+            "this node's model has a unit `{}` the cluster's layout does not ({} layers)",
+            extra.name,
+            layout.len()
+        ));
+    }
+    Ok(())
 }
 
 /// The layout of `model`.
@@ -42,6 +75,24 @@ pub fn sync_layout(model: &Model) -> Vec<SyncLayerDef> {
 mod tests {
     use super::*;
     use crate::task::{load_data, ModelKind, Task};
+
+    #[test]
+    fn a_replica_with_another_layout_is_refused_naming_the_first_differing_layer() {
+        let model = engine::models::mlp::mlp(64, &[16, 8], 10, 0);
+        let layout = sync_layout(&model);
+        let units = model.layer_infos();
+        assert!(check_units_match(&layout, &units).is_ok());
+        let wider = engine::models::mlp::mlp(64, &[16, 9], 10, 0).layer_infos();
+        let e = check_units_match(&layout, &wider).unwrap_err();
+        assert!(
+            e.contains("layer 1 differs") && e.contains("`fc2` (136 values"),
+            "{e}"
+        );
+        let e = check_units_match(&layout, &units[..2]).unwrap_err();
+        assert!(e.contains("`head`") && e.contains("missing"), "{e}");
+        let e = check_units_match(&layout[..2], &units).unwrap_err();
+        assert!(e.contains("unit `head`"), "{e}");
+    }
 
     #[test]
     fn mlp_layout_numbers_parameterized_layers_in_order() {

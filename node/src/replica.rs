@@ -1,23 +1,23 @@
-//! A simulated node's model replica: real forward/backward on real data, per-layer optimizers,
-//! its own data shard. Only the *time* these computations take comes from the compute model.
+//! A simulated node's model replica: real forward/backward on real data through the replica
+//! seam (any backend; the simulator uses the built-in engine), per-unit optimizers, its own
+//! data shard. Only the *time* these computations take comes from the compute model.
 
+use crate::backend::{Backend, BackendError};
 use crate::task::{Batch, Task, TaskData};
 use engine::data::sampler::ShardedSampler;
-use engine::loss::softmax_cross_entropy;
 use engine::lr::LrSchedule;
-use engine::model::{Model, NamedLayer};
-use engine::optim::{LayerOptimizer, OptimizerConfig};
-use engine::tensor::Tensor;
+use engine::optim::OptimizerConfig;
+use engine::replica::{read_unit, write_unit, ModelReplica, ReplicaError, UnitData};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 /// One replica of the model with its optimizer state and data shard.
 pub struct Replica {
-    /// The model.
-    pub model: Model,
+    /// The model behind the seam.
+    pub net: Box<dyn ModelReplica>,
     /// Optimizer steps taken.
     pub steps: u64,
-    opts: Vec<Option<LayerOptimizer>>,
+    units: Vec<usize>,
     sampler: ShardedSampler,
     rng: ChaCha8Rng,
     batch: Batch,
@@ -27,8 +27,8 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// A replica for shard `rank` of `world`; every replica built with the same `seed` starts
-    /// from identical weights.
+    /// A built-in-engine replica for shard `rank` of `world`; every replica built with the
+    /// same `seed` starts from identical weights.
     pub fn new(
         task: &Task,
         seed: u64,
@@ -38,24 +38,41 @@ impl Replica {
         optimizer: &OptimizerConfig,
         schedule: LrSchedule,
     ) -> Result<Self, String> {
-        let model = task.build_model(seed);
-        let opts = model
-            .layers
-            .iter()
-            .map(|l| {
-                (!l.layer.params().is_empty())
-                    .then(|| LayerOptimizer::new(optimizer, l.layer.params()))
-            })
-            .collect();
+        Self::with_backend(
+            task,
+            &Backend::Builtin,
+            seed,
+            rank,
+            world,
+            batch_size,
+            optimizer,
+            schedule,
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    /// [`Self::new`] on `backend`.
+    pub fn with_backend(
+        task: &Task,
+        backend: &Backend,
+        seed: u64,
+        rank: usize,
+        world: usize,
+        batch_size: usize,
+        optimizer: &OptimizerConfig,
+        schedule: LrSchedule,
+    ) -> Result<Self, BackendError> {
+        let net = backend.build_replica(task, seed, optimizer)?;
+        let units = net.unit_infos().iter().map(|i| i.index).collect();
         let sampler = ShardedSampler::new(task.train_len(), rank, world, seed, true)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| BackendError::Shard(e.to_string()))?;
         let rng = ChaCha8Rng::seed_from_u64(
             seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)),
         );
         Ok(Self {
-            model,
+            net,
             steps: 0,
-            opts,
+            units,
             sampler,
             rng,
             batch: Batch::default(),
@@ -70,57 +87,57 @@ impl Replica {
         self.schedule.lr_at(self.steps)
     }
 
-    /// Draws the next batch, runs forward and backward (gradients land in the params) and
-    /// calls `on_layer_ready(index, layer)` for each parameterized layer, output head first.
+    /// Draws the next batch and runs forward and backward (gradients land in the units).
     /// Returns the training loss.
-    pub fn forward_backward(
-        &mut self,
-        on_layer_ready: &mut dyn FnMut(usize, &mut NamedLayer),
-    ) -> f32 {
+    pub fn forward_backward(&mut self) -> Result<f32, ReplicaError> {
         if matches!(self.task.data, TaskData::Images(_)) {
             self.batch.indices = self.sampler.next_batch(self.batch_size);
         }
         self.task
             .fill_batch(&mut self.batch, &mut self.rng, self.batch_size);
-        let logits: Tensor = self.model.forward(&self.batch.input, true);
-        let (loss, grad) = softmax_cross_entropy(&logits, &self.batch.targets);
-        self.model.backward_with_hook(&grad, on_layer_ready);
-        loss
+        self.net
+            .forward_backward(&self.batch.input, &self.batch.targets, &mut |_, _| {})
     }
 
-    /// Applies the optimizer to layer `index` with the current gradients.
+    /// Applies the optimizer to unit `index` with its current gradients.
     pub fn step_layer(&mut self, index: usize) {
         let lr = self.lr();
-        if let Some(opt) = self.opts[index].as_mut() {
-            opt.step(self.model.layers[index].layer.params_mut(), lr);
-        }
+        self.net.with_unit(index, &mut |u| u.step(lr));
     }
 
-    /// Applies the optimizer to every layer and counts the step.
+    /// Applies the optimizer to every unit and counts the step.
     pub fn step_all(&mut self) {
-        for i in 0..self.model.layers.len() {
-            self.step_layer(i);
+        let lr = self.lr();
+        for &i in &self.units {
+            self.net.with_unit(i, &mut |u| u.step(lr));
         }
         self.steps += 1;
     }
 
-    /// Flat gradients of layer `index` (params in order).
-    pub fn layer_grads(&self, index: usize) -> Vec<f32> {
-        self.model.layers[index]
-            .layer
-            .params()
-            .iter()
-            .flat_map(|p| p.grad.iter().copied())
-            .collect()
+    /// Flat values of unit `index`, written into `out` (cleared first).
+    pub fn values_into(&mut self, index: usize, out: &mut Vec<f32>) {
+        out.clear();
+        self.net
+            .with_unit(index, &mut |u| u.append_to(UnitData::Values, out));
     }
 
-    /// Overwrites the gradients of layer `index` from a flat vector.
+    /// Appends unit `index`'s gradients or values to `out`.
+    pub fn append_unit(&mut self, index: usize, what: UnitData, out: &mut Vec<f32>) {
+        self.net.with_unit(index, &mut |u| u.append_to(what, out));
+    }
+
+    /// Overwrites the values of unit `index` from a flat vector.
+    pub fn set_layer_values(&mut self, index: usize, flat: &[f32]) {
+        write_unit(self.net.as_mut(), index, UnitData::Values, flat);
+    }
+
+    /// Flat gradients of unit `index` (params in order).
+    pub fn layer_grads(&mut self, index: usize) -> Vec<f32> {
+        read_unit(self.net.as_mut(), index, UnitData::Grads)
+    }
+
+    /// Overwrites the gradients of unit `index` from a flat vector.
     pub fn set_layer_grads(&mut self, index: usize, flat: &[f32]) {
-        let mut off = 0;
-        for p in self.model.layers[index].layer.params_mut() {
-            let n = p.grad.len();
-            p.grad.copy_from_slice(&flat[off..off + n]);
-            off += n;
-        }
+        write_unit(self.net.as_mut(), index, UnitData::Grads, flat);
     }
 }

@@ -188,6 +188,17 @@ impl Task {
                 model.name()
             ));
         }
+        if let (ModelKind::Cnn | ModelKind::ResNet20, TaskData::Images(tt)) = (&model, &data) {
+            let s = &tt.train.sample_shape;
+            if s.len() != 3 || s[1] < 4 || s[2] < 4 {
+                return Err(format!(
+                    "model '{}' takes images of shape [channels, height, width] with height and \
+                     width ≥ 4; data set '{dataset}' has samples of shape {s:?} (use --model mlp, \
+                     or reshape train_x/test_x to [N, C, H, W])",
+                    model.name()
+                ));
+            }
+        }
         let gpt = match &data {
             TaskData::Chars(c) => Some(GptConfig::tiny(c.vocab.len())),
             TaskData::Images(_) => None,
@@ -430,8 +441,14 @@ pub fn load_data(dataset: &str, dir: Option<&Path>) -> Result<TaskData, String> 
             let c = CharCorpus::load(path).map_err(|e| e.to_string())?;
             Ok(TaskData::Chars(Arc::new(c)))
         }
+        path if path.ends_with(".safetensors") => {
+            let tt = engine::data::tensor_file::load_tensor_file(Path::new(path))
+                .map_err(|e| e.to_string())?;
+            Ok(TaskData::Images(Arc::new(tt)))
+        }
         other => Err(format!(
-            "unknown data set '{other}'; expected one of: mnist, digits, tinyshakespeare"
+            "unknown data set '{other}'; expected one of: mnist, digits, tinyshakespeare, or a \
+             FILE.safetensors holding train_x, train_y, test_x, test_y"
         )),
     }
 }

@@ -204,6 +204,16 @@ pub enum ClustersError {
         /// When the collective round started.
         since: SimTime,
     },
+    /// A replica's forward/backward failed (a batch that does not fit the model).
+    #[error("cluster {cluster} at step {step}: {message}")]
+    Step {
+        /// Step.
+        step: u64,
+        /// Cluster name.
+        cluster: String,
+        /// What failed.
+        message: String,
+    },
     /// The training loss became NaN or infinite.
     #[error("training diverged at step {step} on cluster {cluster} (loss {loss}); lower lr")]
     Diverged {

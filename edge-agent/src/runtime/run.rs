@@ -12,7 +12,7 @@ use engine::lr::LrSchedule;
 use engine::optim::OptimizerConfig;
 use engine::replica::{read_unit, BuiltinReplica, ModelReplica, UnitData};
 use node::backend::Backend;
-use node::layout::{sync_layout, SyncLayerDef};
+use node::layout::{check_units_match, sync_layout, SyncLayerDef};
 use node::task::Task;
 use node::training::{run_node_training, LeaderHook, NodeTrainConfig};
 use protocol::{Capabilities, Role};
@@ -157,6 +157,16 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
     let task = config.model.load_task().map_err(NodeRunError::Data)?;
     let model = task.build_model(config.model.seed);
     let layout: Vec<SyncLayerDef> = sync_layout(&model);
+    // A backend that would exchange other tensors than the cluster's layout never starts.
+    let probe = backend
+        .build_replica(&task, config.model.seed, &OptimizerConfig::sgd())
+        .map_err(|e| NodeRunError::Training(format!("[training] backend: {e}")))?;
+    check_units_match(&layout, &probe.unit_infos()).map_err(|e| {
+        NodeRunError::Training(format!(
+            "the {backend} model does not match the cluster's layer layout: {e}"
+        ))
+    })?;
+    drop(probe);
 
     let (cache, report) = DurableCache::open(config.node.data_dir.join("cache"))?;
     if let Some(m) = &report.moved_aside {

@@ -5,13 +5,14 @@
 //! Loaders live in the submodules: [`mnist`] (IDX files, gzip or raw), [`digits`] (the 8×8
 //! scikit-learn digits CSV, embedded in the binary), [`corpus`] (character-level text for the GPT
 //! model), [`sampler`] (per-rank shards like PyTorch's `DistributedSampler`) and [`locate`]
-//! (finding `../shared/data/datasets`).
+//! (finding `../shared/data/datasets`), [`tensor_file`] (a generic `safetensors` data set).
 
 pub mod corpus;
 pub mod digits;
 pub mod locate;
 pub mod mnist;
 pub mod sampler;
+pub mod tensor_file;
 
 use std::path::PathBuf;
 

@@ -43,6 +43,7 @@ use engine::lr::LrSchedule;
 use engine::model::Model;
 use engine::optim::OptimizerConfig;
 use engine::plan::{PlanConfig, Strategy, SyncPlan};
+use engine::replica::UnitData;
 use engine::schedule::{LayerProfile, ModelProfile};
 use gpu_worker::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
 use node::collective::ReduceKey;
@@ -445,7 +446,7 @@ impl<'a> Simulation<'a> {
         for i in 0..self.units.len() {
             let layer = self.units[i];
             average_layer(
-                &self.clusters,
+                &mut self.clusters,
                 &self.weights,
                 layer,
                 self.layer_len[layer],
@@ -501,7 +502,14 @@ impl<'a> Simulation<'a> {
     fn forward_backward(&mut self, ci: usize, step: u64) -> Result<(), ClustersError> {
         let c = &mut self.clusters[ci];
         c.machine.begin_step(step);
-        let loss = c.replica.forward_backward(&mut |_, _| {});
+        let loss = c
+            .replica
+            .forward_backward()
+            .map_err(|e| ClustersError::Step {
+                step,
+                cluster: c.setup.name.clone(),
+                message: e.to_string(),
+            })?;
         if !loss.is_finite() {
             return Err(ClustersError::Diverged {
                 step,
@@ -616,12 +624,11 @@ fn run_actions(c: &mut ClusterState, ci: usize, rendezvous: &mut Rendezvous) -> 
         match action {
             SyncAction::Stage { layer, key, kind } => {
                 let buf = c.staging.entry(key).or_default();
-                for p in c.replica.model.layers[layer].layer.params() {
-                    buf.extend_from_slice(match kind {
-                        SyncKind::Gradients => &p.grad,
-                        SyncKind::Parameters => &p.value,
-                    });
-                }
+                let what = match kind {
+                    SyncKind::Gradients => UnitData::Grads,
+                    SyncKind::Parameters => UnitData::Values,
+                };
+                c.replica.append_unit(layer, what, buf);
             }
             SyncAction::Launch { key, layers, kind } => {
                 let ready = layers
@@ -651,7 +658,7 @@ fn run_actions(c: &mut ClusterState, ci: usize, rendezvous: &mut Rendezvous) -> 
                 let replica = &mut c.replica;
                 rendezvous.apply(key, offset, len, |values| match kind {
                     SyncKind::Gradients => replica.set_layer_grads(layer, values),
-                    SyncKind::Parameters => replica.model.set_layer_values(layer, values),
+                    SyncKind::Parameters => replica.set_layer_values(layer, values),
                 });
             }
             SyncAction::StepLayer { layer } => {
@@ -665,7 +672,7 @@ fn run_actions(c: &mut ClusterState, ci: usize, rendezvous: &mut Rendezvous) -> 
 
 /// Writes the weighted mean over clusters of layer `layer`'s values into `out`.
 fn average_layer(
-    clusters: &[ClusterState],
+    clusters: &mut [ClusterState],
     weights: &[f32],
     layer: usize,
     len: usize,
@@ -673,13 +680,11 @@ fn average_layer(
 ) {
     out.clear();
     out.resize(len, 0.0);
-    for (c, &w) in clusters.iter().zip(weights) {
-        let mut off = 0;
-        for p in c.replica.model.layers[layer].layer.params() {
-            for (o, v) in out[off..off + p.value.len()].iter_mut().zip(&p.value) {
-                *o += w * v;
-            }
-            off += p.value.len();
+    let mut values = Vec::with_capacity(len);
+    for (c, &w) in clusters.iter_mut().zip(weights) {
+        c.replica.values_into(layer, &mut values);
+        for (o, v) in out.iter_mut().zip(&values) {
+            *o += w * v;
         }
     }
 }

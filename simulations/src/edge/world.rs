@@ -324,14 +324,6 @@ fn frame_len(msg: &Message) -> Result<u64, String> {
         .map_err(|e| format!("cannot frame a message: {e}"))
 }
 
-/// Copies the parameters of `model.layers[index]` into `out` (resized).
-fn copy_layer_values(model: &Model, index: usize, out: &mut Vec<f32>) {
-    out.clear();
-    for p in model.layers[index].layer.params() {
-        out.extend_from_slice(&p.value);
-    }
-}
-
 /// The simulation of one strategy.
 pub struct World<'a> {
     scenario: &'a Scenario,
@@ -1248,9 +1240,9 @@ impl<'a> World<'a> {
         let mut buf = std::mem::take(&mut self.scratch[layer_id as usize]);
         let n = &mut self.nodes[node];
         if let (Some(replica), Some(client)) = (n.replica.as_mut(), n.client.as_mut()) {
-            copy_layer_values(&replica.model, index, &mut buf);
+            replica.values_into(index, &mut buf);
             match client.apply_version(layer_id, &mut buf, values, version) {
-                Ok(true) => replica.model.set_layer_values(index, &buf),
+                Ok(true) => replica.set_layer_values(index, &buf),
                 Ok(false) => {}
                 Err(e) => self.fatal = Some(format!("{}: apply_version: {e}", n.name)),
             }
@@ -1268,7 +1260,7 @@ impl<'a> World<'a> {
             let index = self.layers[id as usize].model_index;
             let mut buf = std::mem::take(&mut self.scratch[id as usize]);
             let n = &mut self.nodes[node];
-            let (Some(replica), Some(client)) = (n.replica.as_ref(), n.client.as_mut()) else {
+            let (Some(replica), Some(client)) = (n.replica.as_mut(), n.client.as_mut()) else {
                 self.scratch[id as usize] = buf;
                 return false;
             };
@@ -1276,7 +1268,7 @@ impl<'a> World<'a> {
                 self.scratch[id as usize] = buf;
                 continue;
             }
-            copy_layer_values(&replica.model, index, &mut buf);
+            replica.values_into(index, &mut buf);
             match client.cut_layer(now, n.steps, id, &buf) {
                 Ok(CutOutcome::Sent(_) | CutOutcome::Cached(_)) => {
                     n.drain.remove(&id);
@@ -1322,7 +1314,10 @@ impl<'a> World<'a> {
         let Some(replica) = n.replica.as_mut() else {
             return;
         };
-        replica.forward_backward(&mut |_, _| {});
+        if let Err(e) = replica.forward_backward() {
+            self.fatal = Some(format!("{}: step {}: {e}", n.name, n.steps + 1));
+            return;
+        }
         replica.step_all();
         n.steps = replica.steps;
         n.last_step_at = now;
@@ -1334,7 +1329,7 @@ impl<'a> World<'a> {
         let due: Vec<u32> = client.due_layers(step).collect();
         for &id in &due {
             let index = self.layers[id as usize].model_index;
-            copy_layer_values(&replica.model, index, &mut self.scratch[id as usize]);
+            replica.values_into(index, &mut self.scratch[id as usize]);
         }
         let scratch = &self.scratch;
         if let Err(e) = client.on_step_end(now.as_nanos(), step, samples, |id| {
@@ -1409,7 +1404,7 @@ impl<'a> World<'a> {
         let now = self.now().as_nanos();
         let mut replica = self.new_replica(node)?;
         for (l, v) in self.layers.iter().zip(&values) {
-            replica.model.set_layer_values(l.model_index, v);
+            replica.set_layer_values(l.model_index, v);
         }
         replica.steps = self.nodes[node].steps;
         let mut client = self.new_client(node, values, versions)?;
