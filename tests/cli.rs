@@ -255,4 +255,31 @@ fn a_gpu_or_backend_that_is_not_here_is_a_clear_error_not_a_panic() {
     let o = dreamddp(&["train", "--quiet", "--steps", "2", "--backend", "torch"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("unknown backend `torch`"), "{}", text(&o));
+    // Models only libtorch builds say so on the built-in backend.
+    let o = dreamddp(&[
+        "train",
+        "--quiet",
+        "--model",
+        "resnet20",
+        "--dataset",
+        "digits",
+        "--steps",
+        "2",
+    ]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("needs the tch backend"), "{}", text(&o));
+    let o = dreamddp(&[
+        "train",
+        "--quiet",
+        "--model",
+        "/nonexistent/model.pt",
+        "--steps",
+        "2",
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("model file /nonexistent/model.pt not found"),
+        "{}",
+        text(&o)
+    );
 }
