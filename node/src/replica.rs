@@ -1,6 +1,8 @@
-//! A simulated node's model replica: real forward/backward on real data through the replica
-//! seam (any backend; the simulator uses the built-in engine), per-unit optimizers, its own
-//! data shard. Only the *time* these computations take comes from the compute model.
+//! One worker's model replica with its data shard and learning-rate schedule: real
+//! forward/backward on real data through the replica seam (any backend), per-unit optimizer
+//! steps. A node's training loop runs one per worker thread; the simulator runs one per
+//! simulated node (built-in engine), taking only the *time* of these computations from its
+//! compute model.
 
 use crate::backend::{Backend, BackendError};
 use crate::task::{Batch, Task, TaskData};
@@ -80,6 +82,11 @@ impl Replica {
             task: task.clone(),
             schedule,
         })
+    }
+
+    /// The model layer indices of the sync units, in forward order.
+    pub fn units(&self) -> &[usize] {
+        &self.units
     }
 
     /// Learning rate of the next step.

@@ -9,16 +9,14 @@
 
 use std::sync::{Arc, Barrier, Mutex};
 
-use engine::data::sampler::ShardedSampler;
 use engine::lr::LrSchedule;
 use engine::optim::OptimizerConfig;
-use engine::replica::{read_unit, write_unit, ModelReplica, ReplicaError, UnitData};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
+use engine::replica::{read_unit, ModelReplica, ReplicaError, UnitData};
 
 use crate::backend::{Backend, BackendError};
 use crate::collective::{AbortOnPanic, Collective, CollectiveError, ReduceKey};
-use crate::task::{Batch, Task, TaskData};
+use crate::replica::Replica;
+use crate::task::Task;
 use crate::thread_collective::ThreadCollective;
 
 /// What the leader does between steps.
@@ -91,41 +89,6 @@ pub enum NodeTrainError {
     },
 }
 
-/// One worker of a node: a replica on the node's backend, its data shard and its schedule.
-struct Worker {
-    replica: Box<dyn ModelReplica>,
-    sampler: ShardedSampler,
-    rng: ChaCha8Rng,
-    batch: Batch,
-    batch_size: usize,
-    task: Task,
-    schedule: LrSchedule,
-    steps: u64,
-}
-
-impl Worker {
-    fn new(task: &Task, config: &NodeTrainConfig, rank: usize) -> Result<Self, NodeTrainError> {
-        let replica = config
-            .backend
-            .build_replica(task, config.seed, &config.optimizer)?;
-        let sampler = ShardedSampler::new(task.train_len(), rank, config.world, config.seed, true)
-            .map_err(|e| NodeTrainError::Config(e.to_string()))?;
-        let rng = ChaCha8Rng::seed_from_u64(
-            config.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)),
-        );
-        Ok(Self {
-            replica,
-            sampler,
-            rng,
-            batch: Batch::default(),
-            batch_size: config.batch_size,
-            task: task.clone(),
-            schedule: config.schedule,
-            steps: 0,
-        })
-    }
-}
-
 /// What a node's training run did.
 #[derive(Clone, Debug, Default)]
 pub struct NodeTrainReport {
@@ -166,8 +129,17 @@ pub fn run_node_training(
     }
     let mut replicas = Vec::with_capacity(config.workers);
     for w in 0..config.workers {
-        let mut r = Worker::new(task, config, config.first_rank + w)?;
-        let infos = r.replica.unit_infos();
+        let mut r = Replica::with_backend(
+            task,
+            &config.backend,
+            config.seed,
+            config.first_rank + w,
+            config.world,
+            config.batch_size,
+            &config.optimizer,
+            config.schedule,
+        )?;
+        let infos = r.net.unit_infos();
         for (index, values) in initial {
             if !infos
                 .iter()
@@ -177,7 +149,7 @@ pub fn run_node_training(
                     "initial values for layer index {index} do not fit the model"
                 )));
             }
-            write_unit(r.replica.as_mut(), *index, UnitData::Values, values);
+            r.set_layer_values(*index, values);
         }
         replicas.push(r);
     }
@@ -209,7 +181,7 @@ pub fn run_node_training(
                     {
                         let published = broadcast.lock().unwrap_or_else(|p| p.into_inner());
                         for (index, values) in published.iter() {
-                            write_unit(replica.replica.as_mut(), *index, UnitData::Values, values);
+                            replica.set_layer_values(*index, values);
                         }
                     }
                     barrier.wait();
@@ -217,7 +189,7 @@ pub fn run_node_training(
                         break;
                     }
                 }
-                Ok(replica.replica.flat_values())
+                Ok(replica.net.flat_values())
             }));
         }
 
@@ -241,7 +213,7 @@ pub fn run_node_training(
             if config.workers > 1 {
                 barrier.wait();
             }
-            let changed = hook.after_step(done, samples_per_step, leader.replica.as_mut());
+            let changed = hook.after_step(done, samples_per_step, leader.net.as_mut());
             let stop_now = changed.is_err() || hook.should_stop();
             if config.workers > 1 {
                 let mut published = broadcast.lock().unwrap_or_else(|p| p.into_inner());
@@ -250,7 +222,7 @@ pub fn run_node_training(
                     for &index in changed {
                         published.push((
                             index,
-                            read_unit(leader.replica.as_mut(), index, UnitData::Values),
+                            read_unit(leader.net.as_mut(), index, UnitData::Values),
                         ));
                     }
                 }
@@ -270,7 +242,7 @@ pub fn run_node_training(
         if result.is_err() {
             collective.shutdown("the node leader stopped");
         }
-        let leader_values = leader.replica.flat_values();
+        let leader_values = leader.net.flat_values();
         let mut divergence = 0.0f32;
         for (i, h) in handles.into_iter().enumerate() {
             match h.join() {
@@ -294,33 +266,27 @@ pub fn run_node_training(
             replica_divergence: divergence,
         })
     });
-    report.map(|r| (r, leader.replica))
+    report.map(|r| (r, leader.net))
 }
 
 /// One synchronous-SGD step of one worker: forward/backward, gradient mean across the node's
 /// workers (one flat all-reduce), optimizer step. Returns the training loss.
 fn train_step(
-    w: &mut Worker,
+    w: &mut Replica,
     collective: &dyn Collective,
     rank: usize,
     step: u64,
 ) -> Result<f32, NodeTrainError> {
-    if matches!(w.task.data, TaskData::Images(_)) {
-        w.batch.indices = w.sampler.next_batch(w.batch_size);
-    }
-    w.task.fill_batch(&mut w.batch, &mut w.rng, w.batch_size);
     let loss = w
-        .replica
-        .forward_backward(&w.batch.input, &w.batch.targets, &mut |_, _| {})
+        .forward_backward()
         .map_err(|source| NodeTrainError::Step { step, source })?;
-    let units: Vec<usize> = w.replica.unit_infos().iter().map(|i| i.index).collect();
     if collective.world() > 1 {
+        let units = w.units().to_vec();
         let mut flat = Vec::new();
         let mut lens = Vec::with_capacity(units.len());
         for &i in &units {
             let before = flat.len();
-            w.replica
-                .with_unit(i, &mut |u| u.append_to(UnitData::Grads, &mut flat));
+            w.append_unit(i, UnitData::Grads, &mut flat);
             lens.push(flat.len() - before);
         }
         let mean = collective
@@ -328,20 +294,11 @@ fn train_step(
             .wait()?;
         let mut off = 0;
         for (&i, len) in units.iter().zip(lens) {
-            write_unit(
-                w.replica.as_mut(),
-                i,
-                UnitData::Grads,
-                &mean[off..off + len],
-            );
+            w.set_layer_grads(i, &mean[off..off + len]);
             off += len;
         }
     }
-    let lr = w.schedule.lr_at(w.steps);
-    for &i in &units {
-        w.replica.with_unit(i, &mut |u| u.step(lr));
-    }
-    w.steps += 1;
+    w.step_all();
     Ok(loss)
 }
 
@@ -349,6 +306,7 @@ fn train_step(
 mod tests {
     use super::*;
     use crate::task::{load_data, ModelKind};
+    use engine::replica::write_unit;
 
     struct CountingHook {
         calls: Vec<(u64, u64)>,
