@@ -150,6 +150,10 @@ pub struct TrainArgs {
     /// Device of the tch backend: `cpu` or `cuda:N`.
     #[arg(long)]
     pub device: Option<String>,
+    /// Intra-node all-reduce: `cpu` (threads over host memory), `nccl` (GPUs; stops when
+    /// NCCL is unusable) or `auto` (NCCL for `--device cuda:N` when it works, else cpu).
+    #[arg(long, value_parser = ["cpu", "nccl", "auto"])]
+    pub collective: Option<String>,
     /// Start from this checkpoint (safetensors with PyTorch names, e.g. from `--save`).
     #[arg(long)]
     pub load: Option<PathBuf>,
@@ -185,6 +189,7 @@ pub struct TrainFile {
     out: Option<PathBuf>,
     backend: Option<String>,
     device: Option<String>,
+    collective: Option<String>,
     load: Option<PathBuf>,
     save: Option<PathBuf>,
 }
@@ -224,6 +229,7 @@ impl TrainArgs {
             out,
             backend,
             device,
+            collective,
             load,
             save
         );

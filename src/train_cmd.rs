@@ -10,6 +10,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use engine::checkpoint;
 use engine::optim::OptimizerConfig;
 use engine::plan::{ScheduleKind, Strategy, SyncPlan};
+use gpu_worker::gpu_probe::{
+    self, probe_nccl, select_collective, CollectiveChoice, CollectiveRequest, GpuProbeError,
+    NcclInfo,
+};
 use gpu_worker::planning::{build_plan, PlanInputs};
 use gpu_worker::profile::profile_step;
 use gpu_worker::trainer::{train, RunReport, TrainConfig};
@@ -88,6 +92,7 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         args.device.as_deref().unwrap_or("cpu"),
     )?;
     backend.probe()?;
+    let collective = resolve_collective(args.collective.as_deref(), &backend)?;
     let initial_values = match &args.load {
         None => None,
         Some(path) => Some(Arc::new(load_checkpoint(
@@ -132,6 +137,7 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         eval_limit: args.eval_limit,
         backend,
         initial_values,
+        collective,
     };
     let period = args.period.unwrap_or(4);
     Ok(Resolved {
@@ -144,6 +150,38 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         profile,
         link_spec,
     })
+}
+
+/// Resolves `--collective` (default `auto`) for `backend`; says which collective runs.
+fn resolve_collective(flag: Option<&str>, backend: &Backend) -> Result<CollectiveChoice> {
+    let request: CollectiveRequest = flag
+        .unwrap_or("auto")
+        .parse()
+        .map_err(|e: String| anyhow!(e))?;
+    let cuda = backend.device().starts_with("cuda");
+    let choice = select_collective(request, cuda, probe_restarting)?;
+    tracing::info!("collective: {choice}");
+    Ok(choice)
+}
+
+/// [`probe_nccl`], restarting this process once with the NCCL folder on `LD_LIBRARY_PATH` when
+/// NCCL was found only where the dynamic loader does not look (pip's `libnccl.so.2`).
+fn probe_restarting() -> std::result::Result<NcclInfo, GpuProbeError> {
+    match probe_nccl() {
+        Err(GpuProbeError::NcclNotOnLoaderPath { library, dir })
+            if std::env::var_os(gpu_probe::REEXEC_ENV).is_none() =>
+        {
+            tracing::info!(
+                "restarting with {} on LD_LIBRARY_PATH so NCCL ({}) can load",
+                dir.display(),
+                library.display()
+            );
+            let e = gpu_probe::reexec_with_loader_path(&dir);
+            tracing::warn!("[WARN] could not restart with NCCL on the loader path: {e}");
+            Err(GpuProbeError::NcclNotOnLoaderPath { library, dir })
+        }
+        r => r,
+    }
 }
 
 /// Reads a safetensors checkpoint for `task`'s model on `backend` and returns the starting

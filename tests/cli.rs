@@ -283,3 +283,75 @@ fn a_gpu_or_backend_that_is_not_here_is_a_clear_error_not_a_panic() {
         text(&o)
     );
 }
+
+#[test]
+fn collective_flag_cpu_nccl_auto_and_clear_errors() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--quiet",
+            "--dataset",
+            "digits",
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        dreamddp(&args)
+    };
+    // No GPU/NCCL on the machines this runs on: `nccl` stops with a message naming what is
+    // missing (the feature, the CUDA driver or NCCL), never a panic, never the CPU collective.
+    let o = run(&["--collective", "nccl"]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("NCCL") || t.contains("CUDA"), "{t}");
+    assert!(!t.contains("panicked"), "{t}");
+    assert!(
+        !t.contains("test accuracy"),
+        "nccl must not fall back to the CPU: {t}"
+    );
+    // `auto` on the CPU device trains with the CPU collective and says so.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_dreamddp"))
+        .args([
+            "train",
+            "--quiet",
+            "--dataset",
+            "digits",
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--collective",
+            "auto",
+        ])
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("the dreamddp binary starts");
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("2 steps") && t.contains("digits"), "{t}");
+    assert!(t.contains("collective: cpu"), "{t}");
+    // `auto` with a CUDA device that is not here fails on the device, not on NCCL.
+    let o = run(&[
+        "--collective",
+        "auto",
+        "--backend",
+        "tch",
+        "--device",
+        "cuda:0",
+    ]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(!t.contains("panicked"), "{t}");
+    assert!(!t.contains("NCCL"), "{t}");
+    assert!(t.contains("--features tch") || t.contains("CUDA"), "{t}");
+    // A bad value lists the accepted ones.
+    let o = run(&["--collective", "bogus"]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(
+        t.contains("cpu") && t.contains("nccl") && t.contains("auto"),
+        "{t}"
+    );
+}

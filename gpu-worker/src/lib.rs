@@ -4,6 +4,7 @@
 //! from a profile measured on this machine ([`planning`], [`profile`]). What every node
 //! shares (task, replica, collectives, config) lives in the `node` crate.
 
+pub mod gpu_probe;
 pub mod planning;
 pub mod profile;
 pub mod sync_machine;

@@ -37,6 +37,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use thiserror::Error;
 
+use crate::gpu_probe::CollectiveChoice;
 use crate::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
 use node::backend::{Backend, BackendError};
 use node::collective::{AbortOnPanic, Collective, CollectiveError, ReduceHandle, ReduceKey};
@@ -74,6 +75,8 @@ pub struct TrainConfig {
     /// Starting weights (a vector made by `Model::flat_values`, e.g. from `--load`) instead of
     /// the seed's initial weights.
     pub initial_values: Option<Arc<Vec<f32>>>,
+    /// The intra-node collective (resolved from `--collective`).
+    pub collective: CollectiveChoice,
 }
 
 /// Errors that stop a training run.
@@ -218,7 +221,14 @@ pub fn train(
             )));
         }
     }
-    let collective: Arc<dyn Collective> = Arc::new(ThreadCollective::new(cfg.workers, cfg.link)?);
+    let collective: Arc<dyn Collective> =
+        match cfg.collective {
+            CollectiveChoice::Cpu => Arc::new(ThreadCollective::new(cfg.workers, cfg.link)?),
+            CollectiveChoice::Nccl => return Err(TrainError::Config(
+                "the NCCL collective is not implemented in this build yet; use --collective cpu"
+                    .into(),
+            )),
+        };
     let shared = Arc::new(Shared {
         task: task.clone(),
         cfg: cfg.clone(),

@@ -38,6 +38,7 @@ fn config(strategy: Strategy, steps: u64) -> TrainConfig {
         eval_limit: None,
         backend: node::backend::Backend::Builtin,
         initial_values: None,
+        collective: Default::default(),
     }
 }
 
@@ -217,4 +218,32 @@ fn bad_configs_are_errors_not_panics() {
         panic!("period 8 with 4 sync units must be an error");
     };
     assert!(err.to_string().contains("period 8"), "{err}");
+}
+
+#[test]
+fn the_nccl_choice_is_refused_not_run_on_the_cpu() {
+    let task = digits_task(ModelKind::Mlp);
+    let mut cfg = config(Strategy::Ssgd, 2);
+    cfg.collective = crate::gpu_probe::CollectiveChoice::Nccl;
+    let plan = build_plan(&PlanInputs {
+        task: &task,
+        strategy: cfg.strategy,
+        period: 4,
+        schedule: ScheduleKind::Equal,
+        overrides: &[],
+        bubble_filling: false,
+        link: &cfg.link,
+        workers: cfg.workers,
+        batch: cfg.batch,
+        seed: cfg.seed,
+        measured: None,
+        backend: &node::backend::Backend::Builtin,
+    })
+    .expect("plan");
+    let err = train(&task, &cfg, plan, Box::new(|_, _| {})).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("NCCL collective is not implemented"),
+        "{err}"
+    );
 }

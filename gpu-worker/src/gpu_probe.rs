@@ -1,0 +1,582 @@
+//! Probing CUDA and NCCL without ever panicking, and the choice of the intra-node collective.
+//!
+//! cudarc (0.19, dynamic loading) resolves every library and symbol with `expect`: a missing
+//! `libcuda` or `libnccl`, or an older one than the compiled-in version, panics. Every cudarc
+//! call here therefore runs inside [`std::panic::catch_unwind`] with the panic hook silenced,
+//! so a probe prints nothing and returns a typed [`GpuProbeError`].
+//!
+//! cudarc opens NCCL by name (`libnccl.so`, `libnccl.so.12`, …) and never tries
+//! `libnccl.so.2`, the only name pip's `nvidia-nccl-*` wheels ship. [`find_nccl`] searches the
+//! usual places and, when only `libnccl.so.2` exists, links `libnccl.so` to it in a private
+//! folder (`~/.cache/dreamddp/nccl-lib`). The dynamic loader reads `LD_LIBRARY_PATH` only when
+//! a process starts, so that folder must be on it from the start:
+//! [`GpuProbeError::NcclNotOnLoaderPath`] says so, and [`reexec_with_loader_path`] restarts the
+//! current command with it prepended.
+//!
+//! Built without the `nccl` feature, [`probe_nccl`] returns [`GpuProbeError::NotBuilt`].
+
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+/// Environment variable naming a folder (or a file) holding `libnccl.so*`; searched first.
+pub const NCCL_LIB_ENV: &str = "DREAMDDP_NCCL_LIB";
+/// Set on a process that [`reexec_with_loader_path`] restarted, so it restarts only once.
+pub const REEXEC_ENV: &str = "DREAMDDP_NCCL_REEXEC";
+
+/// What a successful probe found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NcclInfo {
+    /// CUDA devices the driver sees.
+    pub devices: usize,
+    /// NCCL's version code (`ncclGetVersion`, e.g. 22907 for 2.29.7).
+    pub nccl_version: i32,
+}
+
+impl NcclInfo {
+    /// The version as `major.minor.patch`.
+    pub fn version_string(&self) -> String {
+        let v = self.nccl_version;
+        // NCCL ≥ 2.9 encodes major*10000 + minor*100 + patch.
+        format!("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100)
+    }
+}
+
+/// Why NCCL cannot be used on this machine (or by this binary).
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum GpuProbeError {
+    /// The binary was built without the `nccl` feature.
+    #[error("this binary was built without NCCL support: rebuild with --features nccl")]
+    NotBuilt,
+    /// libcuda (the NVIDIA driver) is missing or does not initialize.
+    #[error("no usable CUDA driver: {0}; NCCL needs the NVIDIA driver (libcuda.so.1) and a GPU")]
+    NoCudaDriver(String),
+    /// The driver loaded but sees no device.
+    #[error("the CUDA driver sees no GPU ({0}); check nvidia-smi and CUDA_VISIBLE_DEVICES")]
+    NoGpu(String),
+    /// No NCCL library was found.
+    #[error(
+        "NCCL library (libnccl.so / libnccl.so.2) not found; searched {}; pip install nvidia-nccl-cu13 \
+         (or nvidia-nccl-cu12) or install libnccl2, or point {NCCL_LIB_ENV} at its lib folder",
+        show_paths(searched)
+    )]
+    NoNccl {
+        /// The folders searched.
+        searched: Vec<PathBuf>,
+    },
+    /// NCCL exists but not in a folder the dynamic loader searched when this process started.
+    #[error(
+        "NCCL found at {} but the loader cannot open it by name: run with \
+         LD_LIBRARY_PATH={}:$LD_LIBRARY_PATH",
+        library.display(),
+        dir.display()
+    )]
+    NcclNotOnLoaderPath {
+        /// The library file found.
+        library: PathBuf,
+        /// The folder holding `libnccl.so` (pointing at `library`) to put on the loader path.
+        dir: PathBuf,
+    },
+    /// NCCL loaded but a call failed.
+    #[error("NCCL loaded but failed: {0}")]
+    NcclFailed(String),
+    /// cudarc panicked during the probe (e.g. a symbol missing from an older driver or NCCL).
+    #[error(
+        "the CUDA/NCCL probe panicked (an older driver or NCCL than this build expects?): {0}"
+    )]
+    ProbePanicked(String),
+}
+
+fn show_paths(paths: &[PathBuf]) -> String {
+    if paths.is_empty() {
+        return "no folders".into();
+    }
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// An NCCL library found on disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NcclLib {
+    /// The library file (`…/libnccl.so` or `…/libnccl.so.2`).
+    pub library: PathBuf,
+    /// A folder holding a `libnccl.so` that opens `library` (its own folder, or the private
+    /// symlink folder when only `libnccl.so.2` exists).
+    pub loader_dir: PathBuf,
+}
+
+/// The private folder for the `libnccl.so` symlink.
+pub fn nccl_link_dir() -> Option<PathBuf> {
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/dreamddp/nccl-lib"))
+}
+
+/// The folders searched for NCCL, in order: `$DREAMDDP_NCCL_LIB`, `$LD_LIBRARY_PATH`, the
+/// torch venv's `site-packages/nvidia/*/lib` (bench/install_torch.sh), the system library
+/// folders.
+pub fn nccl_search_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Some(v) = std::env::var_os(NCCL_LIB_ENV) {
+        let p = PathBuf::from(v);
+        dirs.push(if p.is_file() {
+            p.parent().map(Path::to_path_buf).unwrap_or(p)
+        } else {
+            p
+        });
+    }
+    if let Some(v) = std::env::var_os("LD_LIBRARY_PATH") {
+        dirs.extend(std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()));
+    }
+    if let Some(home) = std::env::var_os("HOME") {
+        let nvidia = PathBuf::from(home)
+            .join(".cache/dreamddp/torch/venv-2.13.0/lib/python3.11/site-packages/nvidia");
+        if let Ok(rd) = std::fs::read_dir(&nvidia) {
+            let mut found: Vec<PathBuf> = rd
+                .filter_map(|e| e.ok())
+                .map(|e| e.path().join("lib"))
+                .filter(|p| p.is_dir())
+                .collect();
+            found.sort();
+            dirs.extend(found);
+        }
+    }
+    for d in [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+        "/usr/local/lib",
+        "/usr/local/cuda/lib64",
+    ] {
+        dirs.push(PathBuf::from(d));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    dirs.retain(|d| seen.insert(d.clone()));
+    dirs
+}
+
+/// Finds NCCL in [`nccl_search_dirs`]; when a folder has only `libnccl.so.2`, links
+/// `libnccl.so` to it in [`nccl_link_dir`].
+pub fn find_nccl() -> Result<NcclLib, GpuProbeError> {
+    find_nccl_in(&nccl_search_dirs(), nccl_link_dir().as_deref())
+}
+
+/// [`find_nccl`] over explicit folders and symlink folder (for tests).
+pub fn find_nccl_in(dirs: &[PathBuf], link_dir: Option<&Path>) -> Result<NcclLib, GpuProbeError> {
+    for d in dirs {
+        let plain = d.join("libnccl.so");
+        if plain.is_file() {
+            return Ok(NcclLib {
+                library: plain,
+                loader_dir: d.clone(),
+            });
+        }
+    }
+    for d in dirs {
+        let versioned = d.join("libnccl.so.2");
+        if !versioned.is_file() {
+            continue;
+        }
+        let Some(link_dir) = link_dir else {
+            continue;
+        };
+        if link_nccl(&versioned, link_dir).is_ok() {
+            return Ok(NcclLib {
+                library: versioned,
+                loader_dir: link_dir.to_path_buf(),
+            });
+        }
+    }
+    Err(GpuProbeError::NoNccl {
+        searched: dirs.to_vec(),
+    })
+}
+
+/// Makes `link_dir/libnccl.so` point at `target` (replacing a stale link).
+fn link_nccl(target: &Path, link_dir: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(link_dir)?;
+    let link = link_dir.join("libnccl.so");
+    if std::fs::read_link(&link).ok().as_deref() == Some(target) && link.is_file() {
+        return Ok(());
+    }
+    let tmp = link_dir.join(format!(".libnccl.so.{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(target, &tmp)?;
+    std::fs::rename(&tmp, &link)
+}
+
+/// Whether `dir` was on `LD_LIBRARY_PATH` (as this process sees it).
+pub fn on_loader_path(dir: &Path) -> bool {
+    std::env::var_os("LD_LIBRARY_PATH")
+        .map(|v| std::env::split_paths(&v).any(|p| p == dir))
+        .unwrap_or(false)
+}
+
+/// Restarts the current process (same arguments) with `dir` prepended to `LD_LIBRARY_PATH`,
+/// so cudarc can open `libnccl.so` by name. Returns only on failure, or when this process was
+/// already restarted once ([`REEXEC_ENV`]).
+pub fn reexec_with_loader_path(dir: &Path) -> std::io::Error {
+    use std::os::unix::process::CommandExt;
+    if std::env::var_os(REEXEC_ENV).is_some() {
+        return std::io::Error::other(format!(
+            "already restarted once with {} on LD_LIBRARY_PATH and NCCL still does not load",
+            dir.display()
+        ));
+    }
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => return e,
+    };
+    let mut path = vec![dir.to_path_buf()];
+    if let Some(v) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.extend(std::env::split_paths(&v));
+    }
+    let joined = match std::env::join_paths(path) {
+        Ok(j) => j,
+        Err(e) => return std::io::Error::other(e.to_string()),
+    };
+    std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("LD_LIBRARY_PATH", joined)
+        .env(REEXEC_ENV, "1")
+        .exec()
+}
+
+/// Runs `f` with the panic hook silenced and turns a panic into
+/// [`GpuProbeError::ProbePanicked`]. Probes are serialized (the hook is process-wide).
+pub fn quiet_catch<T>(f: impl FnOnce() -> T) -> Result<T, GpuProbeError> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(previous);
+    r.map_err(|payload| {
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "non-string panic payload".into());
+        GpuProbeError::ProbePanicked(msg)
+    })
+}
+
+/// Checks, in order, libcuda, the device count and NCCL; never panics and prints nothing.
+pub fn probe_nccl() -> Result<NcclInfo, GpuProbeError> {
+    #[cfg(feature = "nccl")]
+    {
+        quiet_catch(probe_nccl_inner)?
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        Err(GpuProbeError::NotBuilt)
+    }
+}
+
+#[cfg(feature = "nccl")]
+fn probe_nccl_inner() -> Result<NcclInfo, GpuProbeError> {
+    use cudarc::driver::{result as cu, sys as cusys};
+    // SAFETY: only tries to open the library (libloading); no symbol is called.
+    if !unsafe { cusys::is_culib_present() } {
+        return Err(GpuProbeError::NoCudaDriver(
+            "libcuda.so not found by the dynamic loader".into(),
+        ));
+    }
+    if let Err(e) = cu::init() {
+        let text = format!("{e:?}");
+        return Err(if text.contains("NO_DEVICE") {
+            GpuProbeError::NoGpu(format!("cuInit: {text}"))
+        } else {
+            GpuProbeError::NoCudaDriver(format!("cuInit failed: {text}"))
+        });
+    }
+    let devices = cu::device::get_count()
+        .map_err(|e| GpuProbeError::NoCudaDriver(format!("cuDeviceGetCount failed: {e:?}")))?;
+    if devices <= 0 {
+        return Err(GpuProbeError::NoGpu("cuDeviceGetCount = 0".into()));
+    }
+    // SAFETY: only tries to open the library by cudarc's names.
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        let lib = find_nccl()?;
+        return Err(GpuProbeError::NcclNotOnLoaderPath {
+            library: lib.library,
+            dir: lib.loader_dir,
+        });
+    }
+    let nccl_version = cudarc::nccl::result::get_nccl_version()
+        .map_err(|e| GpuProbeError::NcclFailed(format!("ncclGetVersion: {e:?}")))?;
+    Ok(NcclInfo {
+        devices: devices as usize,
+        nccl_version,
+    })
+}
+
+/// What `--collective` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CollectiveRequest {
+    /// The thread collective over host memory.
+    Cpu,
+    /// NCCL, or stop.
+    Nccl,
+    /// NCCL when the device is CUDA and NCCL works, otherwise the CPU collective.
+    #[default]
+    Auto,
+}
+
+impl std::str::FromStr for CollectiveRequest {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "nccl" => Ok(Self::Nccl),
+            "auto" => Ok(Self::Auto),
+            o => Err(format!(
+                "unknown --collective '{o}'; expected cpu|nccl|auto"
+            )),
+        }
+    }
+}
+
+/// The collective a run uses, resolved from a [`CollectiveRequest`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CollectiveChoice {
+    /// [`node::thread_collective::ThreadCollective`].
+    #[default]
+    Cpu,
+    /// NCCL over the node's GPUs (not implemented yet: the trainer refuses it).
+    Nccl,
+}
+
+impl std::fmt::Display for CollectiveChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Cpu => "cpu (thread all-reduce over host memory)",
+            Self::Nccl => "nccl",
+        })
+    }
+}
+
+/// Whether this build has an NCCL all-reduce (not yet: issue 10's GPU part).
+pub const NCCL_COLLECTIVE_IMPLEMENTED: bool = false;
+
+/// Why `--collective` could not be honored.
+#[derive(Debug, Error)]
+pub enum CollectiveSelectError {
+    /// `--collective nccl` and NCCL is unusable.
+    #[error("--collective nccl: {0}")]
+    Unusable(GpuProbeError),
+    /// NCCL is usable but this build has no NCCL collective.
+    #[error(
+        "--collective nccl: NCCL {version} works with {devices} GPU(s), but this build has no NCCL \
+         all-reduce yet; use --collective cpu (or auto)"
+    )]
+    NotImplemented {
+        /// NCCL version.
+        version: String,
+        /// Devices seen.
+        devices: usize,
+    },
+}
+
+/// Resolves `request` for a run whose backend device is `cuda` (true for `--device cuda…`),
+/// with `probe` standing in for [`probe_nccl`]. `auto` logs a `[WARN]` when GPUs were asked
+/// for but NCCL is unusable (or not implemented).
+pub fn select_collective(
+    request: CollectiveRequest,
+    cuda: bool,
+    probe: impl FnOnce() -> Result<NcclInfo, GpuProbeError>,
+) -> Result<CollectiveChoice, CollectiveSelectError> {
+    match request {
+        CollectiveRequest::Cpu => Ok(CollectiveChoice::Cpu),
+        CollectiveRequest::Nccl => {
+            let info = probe().map_err(CollectiveSelectError::Unusable)?;
+            if NCCL_COLLECTIVE_IMPLEMENTED {
+                Ok(CollectiveChoice::Nccl)
+            } else {
+                Err(CollectiveSelectError::NotImplemented {
+                    version: info.version_string(),
+                    devices: info.devices,
+                })
+            }
+        }
+        CollectiveRequest::Auto if !cuda => Ok(CollectiveChoice::Cpu),
+        CollectiveRequest::Auto => {
+            match probe() {
+                Ok(info) if NCCL_COLLECTIVE_IMPLEMENTED => {
+                    let _ = info;
+                    Ok(CollectiveChoice::Nccl)
+                }
+                Ok(info) => {
+                    tracing::warn!(
+                    "[WARN] NCCL {} works with {} GPU(s) but this build has no NCCL all-reduce yet; \
+                     using the CPU collective",
+                    info.version_string(),
+                    info.devices
+                );
+                    Ok(CollectiveChoice::Cpu)
+                }
+                Err(e) => {
+                    tracing::warn!("[WARN] GPUs asked for but NCCL is unusable ({e}); using the CPU collective");
+                    Ok(CollectiveChoice::Cpu)
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_errors_without_panicking_or_printing() {
+        // Installs a hook that records any call: the probe must not reach it.
+        static CALLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        let r = probe_nccl();
+        let err = r.expect_err("no GPU on the machines this runs on in CI");
+        if cfg!(feature = "nccl") {
+            // This machine: no libcuda at all (a GPU machine would pass the driver step).
+            if std::path::Path::new("/proc/driver/nvidia").exists() {
+                assert!(!matches!(err, GpuProbeError::NotBuilt), "{err}");
+            } else {
+                assert!(matches!(err, GpuProbeError::NoCudaDriver(_)), "{err}");
+            }
+        } else {
+            assert_eq!(err, GpuProbeError::NotBuilt);
+        }
+        // The probe restores the hook: a panic after it reaches ours.
+        let previous = std::panic::take_hook();
+        let me = std::thread::current().id();
+        std::panic::set_hook(Box::new(move |_| {
+            if std::thread::current().id() == me {
+                CALLED.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }));
+        let _ = probe_nccl();
+        assert!(
+            !CALLED.load(std::sync::atomic::Ordering::SeqCst),
+            "the probe reached the hook"
+        );
+        let _ = std::panic::catch_unwind(|| panic!("after"));
+        std::panic::set_hook(previous);
+        assert!(
+            CALLED.load(std::sync::atomic::Ordering::SeqCst),
+            "hook not restored"
+        );
+    }
+
+    #[test]
+    fn quiet_catch_turns_a_panic_into_an_error() {
+        let e = quiet_catch(|| -> u32 { panic!("Missing symbol ncclFoo") }).unwrap_err();
+        assert_eq!(
+            e,
+            GpuProbeError::ProbePanicked("Missing symbol ncclFoo".into())
+        );
+        let e = quiet_catch(|| -> u32 { panic!("{}", String::from("owned")) }).unwrap_err();
+        assert_eq!(e, GpuProbeError::ProbePanicked("owned".into()));
+        assert_eq!(quiet_catch(|| 7).unwrap(), 7);
+    }
+
+    #[test]
+    fn finds_libnccl_so_2_and_links_it() {
+        let tmp = std::env::temp_dir().join(format!("dreamddp-nccl-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        let lib = tmp.join("site/nvidia/nccl/lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join("libnccl.so.2"), b"not really").unwrap();
+        let links = tmp.join("links");
+        let empty = tmp.join("empty");
+        let found = find_nccl_in(&[empty.clone(), lib.clone()], Some(&links)).unwrap();
+        assert_eq!(found.library, lib.join("libnccl.so.2"));
+        assert_eq!(found.loader_dir, links);
+        assert_eq!(
+            std::fs::read_link(links.join("libnccl.so")).unwrap(),
+            lib.join("libnccl.so.2")
+        );
+        // Twice is fine (the link is kept).
+        assert_eq!(
+            find_nccl_in(std::slice::from_ref(&lib), Some(&links)).unwrap(),
+            found
+        );
+        // A plain libnccl.so wins and needs no link.
+        std::fs::create_dir_all(&empty).unwrap();
+        std::fs::write(empty.join("libnccl.so"), b"x").unwrap();
+        let plain = find_nccl_in(&[lib.clone(), empty.clone()], Some(&links)).unwrap();
+        assert_eq!(plain.loader_dir, empty);
+        // Nothing: the error lists the folders and says what to install.
+        let none = find_nccl_in(&[tmp.join("nowhere")], Some(&links)).unwrap_err();
+        let text = none.to_string();
+        assert!(
+            text.contains("nowhere") && text.contains("pip install nvidia-nccl-cu13"),
+            "{text}"
+        );
+        assert!(text.contains("libnccl2"), "{text}");
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
+
+    #[test]
+    fn finds_the_torch_venv_nccl_when_installed() {
+        let Some(home) = std::env::var_os("HOME") else {
+            return;
+        };
+        let venv = PathBuf::from(home)
+            .join(".cache/dreamddp/torch/venv-2.13.0/lib/python3.11/site-packages/nvidia");
+        let has = std::fs::read_dir(&venv)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .any(|e| e.path().join("lib/libnccl.so.2").is_file())
+            })
+            .unwrap_or(false);
+        if !has {
+            eprintln!("no torch venv NCCL at {}; skipped", venv.display());
+            return;
+        }
+        let lib = find_nccl().expect("the venv ships libnccl.so.2");
+        assert!(lib.loader_dir.join("libnccl.so").is_file(), "{lib:?}");
+    }
+
+    #[test]
+    fn requests_parse_and_resolve() {
+        assert_eq!(
+            "auto".parse::<CollectiveRequest>().unwrap(),
+            CollectiveRequest::Auto
+        );
+        let bad = "bogus".parse::<CollectiveRequest>().unwrap_err();
+        assert!(bad.contains("cpu|nccl|auto"), "{bad}");
+        let ok = || {
+            Ok(NcclInfo {
+                devices: 2,
+                nccl_version: 22907,
+            })
+        };
+        let missing = || Err(GpuProbeError::NoCudaDriver("none".into()));
+        assert_eq!(
+            select_collective(CollectiveRequest::Cpu, true, ok).unwrap(),
+            CollectiveChoice::Cpu
+        );
+        assert_eq!(
+            select_collective(CollectiveRequest::Auto, false, || -> Result<NcclInfo, _> {
+                panic!("auto on a CPU device must not probe")
+            })
+            .unwrap(),
+            CollectiveChoice::Cpu
+        );
+        assert_eq!(
+            select_collective(CollectiveRequest::Auto, true, missing).unwrap(),
+            CollectiveChoice::Cpu
+        );
+        let e = select_collective(CollectiveRequest::Nccl, false, missing).unwrap_err();
+        assert!(e.to_string().contains("CUDA driver"), "{e}");
+        // NCCL works but there is no NCCL all-reduce yet: nccl must not run the CPU collective.
+        let e = select_collective(CollectiveRequest::Nccl, true, ok).unwrap_err();
+        assert!(
+            e.to_string().contains("NCCL 2.29.7") && e.to_string().contains("no NCCL all-reduce"),
+            "{e}"
+        );
+        assert_eq!(
+            select_collective(CollectiveRequest::Auto, true, ok).unwrap(),
+            CollectiveChoice::Cpu
+        );
+    }
+}
