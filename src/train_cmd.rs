@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
-use engine::checkpoint;
+use engine::checkpoint::{self, NamedTensor};
 use engine::optim::OptimizerConfig;
 use engine::plan::{ScheduleKind, Strategy, SyncPlan};
 use gpu_worker::gpu_probe::{
@@ -204,20 +204,17 @@ pub fn load_checkpoint(task: &Task, backend: &Backend, seed: u64, path: &Path) -
     Ok(replica.flat_values())
 }
 
-/// Writes `values` (a `ModelReplica::flat_values` of `task`'s model) as a safetensors
-/// checkpoint with PyTorch's names, atomically.
+/// Writes a model's state (`ModelReplica::state_tensors`, e.g. a run's `final_state`) as a
+/// safetensors checkpoint with PyTorch's names, atomically.
 pub fn save_checkpoint(
     task: &Task,
-    backend: &Backend,
-    values: &[f32],
+    state: &[NamedTensor],
     path: &Path,
     meta: BTreeMap<String, String>,
 ) -> Result<()> {
-    let mut replica = backend.build_replica(task, 0, &OptimizerConfig::sgd())?;
-    replica.set_flat_values(values);
     let mut meta = meta;
     meta.insert("dreamddp.dataset".into(), task.dataset.clone());
-    let bytes = checkpoint::serialize_named(&replica.state_tensors(), task.model.name(), &meta)?;
+    let bytes = checkpoint::serialize_named(state, task.model.name(), &meta)?;
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("cannot create {}", parent.display()))?;
@@ -361,7 +358,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     println!("{}", summary_line(&report));
     if let Some(path) = &args.save {
         let meta = BTreeMap::from([("dreamddp.strategy".to_string(), report.strategy.clone())]);
-        save_checkpoint(&r.task, &r.cfg.backend, &report.final_values, path, meta)?;
+        save_checkpoint(&r.task, &report.final_state, path, meta)?;
         println!("checkpoint written to {}", path.display());
     }
     if let Some(out) = &args.out {

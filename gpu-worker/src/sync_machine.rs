@@ -28,6 +28,7 @@
 use std::collections::VecDeque;
 
 use engine::plan::{Strategy, SyncPlan};
+use engine::replica::UnitData;
 
 use node::collective::ReduceKey;
 
@@ -38,6 +39,16 @@ pub enum SyncKind {
     Gradients,
     /// Parameter values, averaged after local steps (`localsgd`, `dreamddp`).
     Parameters,
+}
+
+impl SyncKind {
+    /// The half of a replica unit's state this kind reads and writes.
+    pub fn unit_data(self) -> UnitData {
+        match self {
+            SyncKind::Gradients => UnitData::Grads,
+            SyncKind::Parameters => UnitData::Values,
+        }
+    }
 }
 
 /// One instruction to the driver. Execute them in the order [`WorkerSyncMachine::poll`]

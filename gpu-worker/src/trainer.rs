@@ -27,18 +27,19 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
 
+use engine::checkpoint::NamedTensor;
 use engine::data::sampler::ShardedSampler;
 use engine::lr::LrSchedule;
 use engine::optim::OptimizerConfig;
 use engine::plan::{Strategy, SyncPlan};
-use engine::replica::{ModelReplica, ReplicaError, UnitData, UnitMut};
+use engine::replica::{ModelReplica, ReplicaError, UnitMut};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use thiserror::Error;
 
 use crate::gpu_probe::CollectiveChoice;
-use crate::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
+use crate::sync_machine::{SyncAction, WorkerSyncMachine};
 use node::backend::{Backend, BackendError};
 use node::collective::{AbortOnPanic, Collective, CollectiveError, ReduceHandle, ReduceKey};
 use node::link::LinkModel;
@@ -174,10 +175,10 @@ pub struct RunReport {
     pub per_layer_syncs: BTreeMap<String, u64>,
     /// Learning curve.
     pub curve: Vec<CurvePoint>,
-    /// The final model (the average of the replicas) as `Model::flat_values`; what `--save`
-    /// writes. Not part of the JSON summary.
+    /// The final model (the average of the replicas) as named tensors with PyTorch's names
+    /// (`ModelReplica::state_tensors`): what `--save` writes. Not part of the JSON summary.
     #[serde(skip)]
-    pub final_values: Vec<f32>,
+    pub final_state: Vec<NamedTensor>,
 }
 
 struct Shared {
@@ -310,7 +311,7 @@ pub fn train(
     let eval = task
         .evaluate_replica(final_replica.as_mut(), cfg.eval_limit)
         .map_err(TrainError::Evaluation)?;
-    let final_values = avg;
+    let final_state = final_replica.state_tensors();
     let train_seconds = results.iter().map(|r| r.train_seconds).sum::<f64>() / results.len() as f64;
     let curve = std::mem::take(&mut *shared.curve.lock().unwrap_or_else(|p| p.into_inner()));
     Ok(RunReport {
@@ -331,7 +332,7 @@ pub fn train(
         mean_step_ms: train_seconds * 1e3 / cfg.steps as f64,
         per_layer_syncs: results[0].syncs.clone(),
         curve,
-        final_values,
+        final_state,
     })
 }
 
@@ -372,7 +373,7 @@ impl SyncExecutor<'_> {
             SyncAction::Stage { key, kind, .. } => {
                 let unit = unit.expect("a staged layer");
                 let buf = self.staging.entry(key).or_default();
-                unit.append_to(unit_data(kind), buf);
+                unit.append_to(kind.unit_data(), buf);
             }
             SyncAction::Launch { key, layers, .. } => {
                 let buf = self.staging.remove(&key).unwrap_or_default();
@@ -418,7 +419,7 @@ impl SyncExecutor<'_> {
                     .landed
                     .get_mut(&key)
                     .expect("the machine applies only waited collectives");
-                unit.write_from(unit_data(kind), &landed.values[offset..offset + len]);
+                unit.write_from(kind.unit_data(), &landed.values[offset..offset + len]);
                 landed.slices_left -= 1;
                 if landed.slices_left == 0 {
                     self.landed.remove(&key);
@@ -460,13 +461,6 @@ impl SyncExecutor<'_> {
             }
         }
         Ok(())
-    }
-}
-
-fn unit_data(kind: SyncKind) -> UnitData {
-    match kind {
-        SyncKind::Gradients => UnitData::Grads,
-        SyncKind::Parameters => UnitData::Values,
     }
 }
 

@@ -43,7 +43,6 @@ use engine::lr::LrSchedule;
 use engine::model::Model;
 use engine::optim::OptimizerConfig;
 use engine::plan::{PlanConfig, Strategy, SyncPlan};
-use engine::replica::UnitData;
 use engine::schedule::{LayerProfile, ModelProfile};
 use gpu_worker::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
 use node::collective::ReduceKey;
@@ -624,11 +623,7 @@ fn run_actions(c: &mut ClusterState, ci: usize, rendezvous: &mut Rendezvous) -> 
         match action {
             SyncAction::Stage { layer, key, kind } => {
                 let buf = c.staging.entry(key).or_default();
-                let what = match kind {
-                    SyncKind::Gradients => UnitData::Grads,
-                    SyncKind::Parameters => UnitData::Values,
-                };
-                c.replica.append_unit(layer, what, buf);
+                c.replica.append_unit(layer, kind.unit_data(), buf);
             }
             SyncAction::Launch { key, layers, kind } => {
                 let ready = layers
