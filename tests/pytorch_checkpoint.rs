@@ -76,7 +76,7 @@ fn check_model(py: &Path, kind: &str, build: fn() -> Model) {
     let dim: usize = data.test.sample_shape.iter().product();
     let mut shape = vec![n];
     shape.extend(&data.test.sample_shape);
-    let input = Tensor::from_vec(&shape, data.test.features[..n * dim].to_vec());
+    let input = Tensor::from_vec(&shape, data.test.features.values(0..n * dim).into_owned());
     let logits = model.forward(&input, false);
     let batch = safetensors::serialize(
         [
@@ -230,12 +230,14 @@ fn a_safetensors_data_set_trains_and_a_shape_misfit_is_explained() {
         let tx: Vec<u8> = tt
             .train
             .features
+            .to_vec()
             .iter()
             .map(|&v| (v * 255.0).round() as u8)
             .collect();
         let vx: Vec<u8> = tt
             .test
             .features
+            .to_vec()
             .iter()
             .map(|&v| (v * 255.0).round() as u8)
             .collect();

@@ -91,6 +91,10 @@ pub struct StatsReport {
     pub staleness_histogram: Vec<u64>,
     /// Latest evaluation accuracy.
     pub accuracy: Option<f32>,
+    /// Resident memory of the node's process, bytes.
+    pub rss_bytes: u64,
+    /// Peak resident memory of the node's process, bytes.
+    pub peak_rss_bytes: u64,
 }
 
 impl From<&NodeStats> for StatsReport {
@@ -107,6 +111,8 @@ impl From<&NodeStats> for StatsReport {
             layer_versions: s.layer_versions.clone(),
             staleness_histogram: s.staleness_histogram.clone(),
             accuracy: s.accuracy,
+            rss_bytes: s.rss_bytes,
+            peak_rss_bytes: s.peak_rss_bytes,
         }
     }
 }
@@ -243,6 +249,7 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
 /// `dreamddp_layer_version{layer,layer_id}`, `dreamddp_layer_checkpoint_bytes{layer,layer_id}`,
 /// `dreamddp_node_bytes_sent_total{node,node_id,role}`,
 /// `dreamddp_weak_sync_events_total{node,node_id}`, `dreamddp_node_accuracy{node,node_id}`,
+/// `dreamddp_node_resident_bytes{node,node_id,role}`, `dreamddp_node_peak_resident_bytes{…}`,
 /// `dreamddp_deltas_applied_total`, `dreamddp_duplicates_rejected_total`,
 /// `dreamddp_bytes_sent_total`, and the histogram `dreamddp_staleness` (buckets
 /// `le="0"`… cumulative, the histogram's open last entry only in `le="+Inf"`; no `_sum`,
@@ -353,6 +360,31 @@ pub fn prometheus_text(report: &StatusReport) -> String {
         }
     }
 
+    for (metric, help, value) in [
+        (
+            "dreamddp_node_resident_bytes",
+            "Resident memory of a live member's process (VmRSS).",
+            (|s: &StatsReport| s.rss_bytes) as fn(&StatsReport) -> u64,
+        ),
+        (
+            "dreamddp_node_peak_resident_bytes",
+            "Peak resident memory of a live member's process since it started (VmHWM).",
+            |s: &StatsReport| s.peak_rss_bytes,
+        ),
+    ] {
+        family(&mut out, metric, "gauge", help);
+        for (m, s) in &reporting {
+            let _ = writeln!(
+                out,
+                "{metric}{{node=\"{}\",node_id=\"{}\",role=\"{}\"}} {}",
+                label(&m.name),
+                m.node_id,
+                m.role,
+                value(s)
+            );
+        }
+    }
+
     let t = &report.totals;
     for (name, help, value) in [
         (
@@ -454,6 +486,8 @@ mod tests {
                 bytes_sent: 1234,
                 weak_sync_events: 3,
                 accuracy: Some(0.5),
+                rss_bytes: 50 << 20,
+                peak_rss_bytes: 60 << 20,
                 ..Default::default()
             }),
         );
@@ -586,6 +620,8 @@ mod tests {
             "dreamddp_node_bytes_sent_total{node=\"edge-1\",node_id=\"1\",role=\"edge\"} 1234",
             "dreamddp_weak_sync_events_total{node=\"edge-1\",node_id=\"1\"} 3",
             "dreamddp_node_accuracy{node=\"edge-1\",node_id=\"1\"} 0.5",
+            "dreamddp_node_resident_bytes{node=\"edge-1\",node_id=\"1\",role=\"edge\"} 52428800",
+            "dreamddp_node_peak_resident_bytes{node=\"edge-1\",node_id=\"1\",role=\"edge\"} 62914560",
             "dreamddp_deltas_applied_total 10",
             "dreamddp_duplicates_rejected_total 2",
             "dreamddp_staleness_bucket{le=\"0\"} 5",

@@ -169,7 +169,13 @@ impl OpenReport {
 pub struct DurableCache {
     db: sled::Db,
     dir: PathBuf,
+    capacity_bytes: u64,
 }
+
+/// sled's page-cache bound used by [`DurableCache::open`]: sled's own default is 1 GiB,
+/// which an edge agent with a long backlog grows into; the cache's working set is a few
+/// layer deltas, and sled reads the rest from disk.
+pub const DEFAULT_CAPACITY_BYTES: u64 = 8 << 20;
 
 impl std::fmt::Debug for DurableCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -196,7 +202,16 @@ impl DurableCache {
     /// it when it is damaged (see the module docs). Fails only when the cache is in use
     /// ([`CacheError::Locked`]), or when moving aside or creating a fresh database fails.
     pub fn open(dir: impl AsRef<Path>) -> Result<(DurableCache, OpenReport), CacheError> {
+        DurableCache::open_with_capacity(dir, DEFAULT_CAPACITY_BYTES)
+    }
+
+    /// [`DurableCache::open`] with sled's in-memory page cache bounded to `capacity_bytes`.
+    pub fn open_with_capacity(
+        dir: impl AsRef<Path>,
+        capacity_bytes: u64,
+    ) -> Result<(DurableCache, OpenReport), CacheError> {
         let dir = dir.as_ref().to_path_buf();
+        let cap = capacity_bytes;
         let rebuild_dir = sibling(&dir, REBUILD_SUFFIX)?;
         let mut report = OpenReport::default();
 
@@ -225,10 +240,17 @@ impl DurableCache {
             }
         }
 
-        let (valid, dropped_corrupt, reason) = match scan(&dir)? {
+        let (valid, dropped_corrupt, reason) = match scan(&dir, cap)? {
             Scan::Clean(db, recovered) => {
                 report.recovered = recovered;
-                return Ok((DurableCache { db, dir }, report));
+                return Ok((
+                    DurableCache {
+                        db,
+                        dir,
+                        capacity_bytes,
+                    },
+                    report,
+                ));
             }
             Scan::Damaged {
                 valid,
@@ -238,7 +260,7 @@ impl DurableCache {
         };
 
         // Assemble the rebuilt cache beside the damaged one, then swap.
-        let fresh = open_sled(&rebuild_dir).map_err(|e| e.into_error(&rebuild_dir))?;
+        let fresh = open_sled(&rebuild_dir, cap).map_err(|e| e.into_error(&rebuild_dir))?;
         let mut batch = sled::Batch::default();
         for (k, v) in &valid {
             batch.insert(k.as_slice(), v.as_slice());
@@ -258,14 +280,21 @@ impl DurableCache {
         rename(&rebuild_dir, &dir)?;
         sync_parent(&dir)?;
 
-        let db = open_sled(&dir).map_err(|e| e.into_error(&dir))?;
+        let db = open_sled(&dir, cap).map_err(|e| e.into_error(&dir))?;
         report.recovered = valid.len();
         report.dropped_corrupt = dropped_corrupt;
         report.moved_aside = Some(MovedAside {
             path: aside,
             reason,
         });
-        Ok((DurableCache { db, dir }, report))
+        Ok((
+            DurableCache {
+                db,
+                dir,
+                capacity_bytes,
+            },
+            report,
+        ))
     }
 
     /// The cache directory.
@@ -403,7 +432,8 @@ impl DurableCache {
         if rebuild_dir.exists() {
             remove_path(&rebuild_dir)?;
         }
-        let fresh = open_sled(&rebuild_dir).map_err(|e| e.into_error(&rebuild_dir))?;
+        let fresh =
+            open_sled(&rebuild_dir, self.capacity_bytes).map_err(|e| e.into_error(&rebuild_dir))?;
         let mut batch = sled::Batch::default();
         for (k, v) in &live {
             batch.insert(k.clone(), v.clone());
@@ -435,7 +465,7 @@ impl DurableCache {
         rename(&rebuild_dir, &self.dir)?;
         sync_parent(&self.dir)?;
         remove_path(&old_dir)?;
-        let (reopened, _) = DurableCache::open(&self.dir)?;
+        let (reopened, _) = DurableCache::open_with_capacity(&self.dir, self.capacity_bytes)?;
         self.db = reopened.db;
         Ok(Some(before.saturating_sub(dir_bytes(&self.dir))))
     }
@@ -511,10 +541,10 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Opens a sled database, turning a panic inside sled into an error. A lock that is still
 /// held is retried for up to [`LOCK_WAIT`] before it is reported.
-fn open_sled(dir: &Path) -> Result<sled::Db, OpenFailure> {
+fn open_sled(dir: &Path, capacity_bytes: u64) -> Result<sled::Db, OpenFailure> {
     let started = std::time::Instant::now();
     loop {
-        let config = sled::Config::new().path(dir);
+        let config = sled::Config::new().path(dir).cache_capacity(capacity_bytes);
         match panic::catch_unwind(AssertUnwindSafe(|| config.open())) {
             Ok(Ok(db)) => return Ok(db),
             Ok(Err(e)) if is_lock_error(&e) => {
@@ -544,8 +574,8 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Opens `dir` and validates every entry.
-fn scan(dir: &Path) -> Result<Scan, CacheError> {
-    let db = match open_sled(dir) {
+fn scan(dir: &Path, capacity_bytes: u64) -> Result<Scan, CacheError> {
+    let db = match open_sled(dir, capacity_bytes) {
         Ok(db) => db,
         Err(OpenFailure::Locked(source)) => {
             return Err(CacheError::Locked {
@@ -825,7 +855,7 @@ mod tests {
     /// Writes through sled directly, as a crash mid-write or bit rot would leave things.
     fn raw_insert(dir: &Path, key: &[u8], value: &[u8]) {
         // The cache just dropped may still hold its lock for a moment (see `open_sled`).
-        let db = match open_sled(dir) {
+        let db = match open_sled(dir, DEFAULT_CAPACITY_BYTES) {
             Ok(db) => db,
             Err(_) => panic!("cannot open {} for a raw write", dir.display()),
         };

@@ -351,17 +351,19 @@ fn dropped_messages_weak_sync_then_coalesce_and_apply_exactly_once() {
     w.train(0, 3, &[0.0, 0.0, 3.0, 0.0], 4);
     w.train(1, 1, &[0.0, 0.0, 0.0, 5.0], 4);
     w.run_until(6 * DEADLINE);
-    assert_eq!(w.nodes[0].store.len(), 3);
-    assert_eq!(w.nodes[0].client.undelivered(), 3);
+    // Cut 3 was merged into the never-sent cut 2 as it was cached: an outage's backlog is
+    // the possibly-delivered entry plus one, however many cuts it spans.
+    assert_eq!(w.nodes[0].store.len(), 2);
+    assert_eq!(w.nodes[0].client.undelivered(), 2);
+    assert!(w.nodes[0].events.iter().any(|e| matches!(e, ClientEvent::Coalesced { seq: 3, from_seqs, base_version: 0, .. } if from_seqs == &[2])));
     assert_eq!(w.agg.counters().deltas_applied, 1);
 
     w.nodes[0].link_up = true;
     w.nodes[0].client.on_link_up(w.now);
     w.run_until(10 * DEADLINE);
     let n0 = &w.nodes[0];
-    // Entry 1 was possibly delivered: retransmitted alone. Entries 2 and 3 (never sent)
-    // were coalesced into one message with a new seq.
-    assert!(n0.events.iter().any(|e| matches!(e, ClientEvent::Coalesced { from_seqs, base_version: 0, .. } if from_seqs == &[2, 3])));
+    // Entry 1 was possibly delivered: retransmitted alone. Cuts 2 and 3 (never sent) went
+    // out as the one coalesced entry.
     assert_eq!(n0.client.counters().coalesced, 1);
     assert_eq!(n0.client.undelivered(), 0);
     assert!(n0.store.is_empty());
@@ -370,6 +372,36 @@ fn dropped_messages_weak_sync_then_coalesce_and_apply_exactly_once() {
     assert_eq!(w.global(), add(&w.theta0, &[1.0, 2.0, 3.0, 5.0]));
     for n in &w.nodes {
         assert_eq!(n.theta, w.global(), "node {}", n.id);
+    }
+}
+
+#[test]
+fn an_outage_backlog_stays_at_two_entries_however_many_cuts_it_spans() {
+    let mut w = World::new(1, async_config());
+    w.nodes[0].link_up = false;
+    let mut expected = vec![0.0f32; LEN];
+    for step in 1..=200u64 {
+        let mut d = [0.0f32; LEN];
+        d[(step as usize) % LEN] = step as f32 * 0.01;
+        for (e, x) in expected.iter_mut().zip(&d) {
+            *e += x;
+        }
+        w.train(0, step, &d, 4);
+        w.run_until(w.now + DEADLINE);
+        assert!(
+            w.nodes[0].store.len() <= 2 && w.nodes[0].client.pending(0) <= 2,
+            "step {step}: {} entries stored",
+            w.nodes[0].store.len()
+        );
+    }
+    assert!(w.nodes[0].client.counters().coalesced >= 190);
+    w.nodes[0].link_up = true;
+    w.nodes[0].client.on_link_up(w.now);
+    w.run_until(w.now + 10 * DEADLINE);
+    assert_eq!(w.nodes[0].client.undelivered(), 0);
+    assert!(w.nodes[0].store.is_empty());
+    for (g, e) in w.global().iter().zip(add(&w.theta0, &expected)) {
+        assert!((g - e).abs() < 1e-4, "global {g} vs {e}");
     }
 }
 
@@ -536,7 +568,7 @@ fn a_restarted_client_redelivers_its_durable_cache_exactly_once() {
     w.run_until(5 * DEADLINE);
     w.train(0, 2, &[2.0; LEN], 4);
     w.train(0, 3, &[4.0; LEN], 4);
-    assert_eq!(w.nodes[0].store.len(), 3);
+    assert_eq!(w.nodes[0].store.len(), 2, "cut 3 merged into cut 2");
     // kill -9: only the store, θ/anchor checkpoint and the persisted seq survive.
     let old = &w.nodes[0];
     let (anchor, theta, next_seq) = (
@@ -548,7 +580,7 @@ fn a_restarted_client_redelivers_its_durable_cache_exactly_once() {
     let mut client = new_client(1, anchor, 0, next_seq);
     assert_eq!(
         client.restore_from_cache(w.now, entries.clone()).unwrap(),
-        3
+        2
     );
     assert!(client
         .restore_from_cache(w.now, entries[..1].to_vec())
@@ -559,7 +591,7 @@ fn a_restarted_client_redelivers_its_durable_cache_exactly_once() {
     w.run_until(w.now + 10 * DEADLINE);
     assert!(w.nodes[0].store.is_empty());
     assert_eq!(w.nodes[0].client.undelivered(), 0);
-    assert_eq!(w.agg.counters().deltas_applied, 3);
+    assert_eq!(w.agg.counters().deltas_applied, 2);
     assert_eq!(w.global(), add(&w.theta0, &[7.0; LEN]));
     assert_eq!(w.nodes[0].theta, w.global());
 }

@@ -525,7 +525,7 @@ impl SyncClient {
             }
             self.next_seq += 1;
             l.samples_since_cut = 0;
-            let entry = CacheEntry {
+            let mut entry = CacheEntry {
                 layer_id,
                 seq,
                 base_version: l.version,
@@ -533,6 +533,55 @@ impl SyncClient {
                 step,
                 delta,
             };
+            // A never-sent durable tail absorbs the cut (what a flush would do later anyway),
+            // so an outage's backlog holds at most the possibly-delivered entries plus one,
+            // in memory and on disk, however long it lasts.
+            let tail_mergeable = l.bundle_awaiting_durability.is_none()
+                && l.cache.last().is_some_and(|t| t.durable && !t.maybe_sent);
+            if tail_mergeable {
+                if let Some(tail) = l.cache.pop() {
+                    // `engine::staleness::coalesce` of (tail, cut), in place: both have the
+                    // layer's length, the sum keeps the tail's (older) base version.
+                    let t = tail.entry;
+                    let mut merged = t.delta;
+                    for (m, d) in merged.iter_mut().zip(&entry.delta) {
+                        *m += d;
+                    }
+                    entry.delta = merged;
+                    entry.base_version = entry.base_version.min(t.base_version);
+                    entry.sample_count += t.sample_count;
+                    entry.step = entry.step.max(t.step);
+                    let base_version = entry.base_version;
+                    l.cache.push(CacheSlot {
+                        entry: entry.clone(),
+                        durable: false,
+                        maybe_sent: false,
+                    });
+                    l.bundle_awaiting_durability = Some(seq);
+                    self.counters.coalesced += 1;
+                    let pending = l.cache.len();
+                    self.outputs.push_back(Output::CacheReplace {
+                        layer_id,
+                        remove: vec![t.seq],
+                        put: entry,
+                    });
+                    self.outputs
+                        .push_back(Output::Event(ClientEvent::Coalesced {
+                            layer_id,
+                            seq,
+                            from_seqs: vec![t.seq],
+                            base_version,
+                        }));
+                    self.outputs
+                        .push_back(Output::Event(ClientEvent::CutCached {
+                            layer_id,
+                            seq,
+                            pending,
+                        }));
+                    self.schedule_flush(now);
+                    return Ok(CutOutcome::Cached(seq));
+                }
+            }
             l.cache.push(CacheSlot {
                 entry: entry.clone(),
                 durable: false,

@@ -9,6 +9,7 @@
 //! * [`replica`]: one model replica with its optimizers and data shard;
 //! * [`collective`], [`thread_collective`], [`link`]: the intra-node collective contract, its
 //!   thread backend and the link model that shapes it;
+//! * [`memory`]: the process's resident memory (stats, `/metrics`);
 //! * [`training`]: a node's N-worker training loop with the leader hook through which it
 //!   talks to the rest of the cluster.
 
@@ -17,6 +18,7 @@ pub mod cluster_model;
 pub mod collective;
 pub mod layout;
 pub mod link;
+pub mod memory;
 pub mod replica;
 pub mod task;
 pub mod thread_collective;

@@ -126,6 +126,14 @@ pub struct TaskDefaults {
 }
 
 impl Task {
+    /// Bytes the data takes in memory (features at their stored precision, labels, tokens).
+    pub fn data_bytes(&self) -> usize {
+        match &self.data {
+            TaskData::Images(tt) => tt.train.stored_bytes() + tt.test.stored_bytes(),
+            TaskData::Chars(c) => (c.train.len() + c.val.len()) * std::mem::size_of::<u32>(),
+        }
+    }
+
     /// Builds the built-in engine's model; the same `seed` gives identical weights on every
     /// worker.
     ///

@@ -367,6 +367,10 @@ pub struct NodeStats {
     pub staleness_histogram: Vec<u64>,
     /// Latest local evaluation accuracy in [0, 1], if the node evaluates.
     pub accuracy: Option<f32>,
+    /// Resident memory of the node's process, bytes (0 when unknown).
+    pub rss_bytes: u64,
+    /// Peak resident memory of the node's process since it started, bytes.
+    pub peak_rss_bytes: u64,
 }
 
 /// Liveness: renews a node's lease (sent by nodes, echoed by the coordinator).

@@ -118,6 +118,7 @@ fn arb_stats() -> impl Strategy<Value = NodeStats> {
             prop::collection::vec(any::<u64>(), 0..6),
             any::<Option<f32>>(),
         ),
+        (any::<u64>(), any::<u64>()),
     )
         .prop_map(
             |(
@@ -130,6 +131,7 @@ fn arb_stats() -> impl Strategy<Value = NodeStats> {
                     dropped_stale,
                 ),
                 (layer_versions, staleness_histogram, accuracy),
+                (rss_bytes, peak_rss_bytes),
             )| NodeStats {
                 node_id,
                 role,
@@ -144,6 +146,8 @@ fn arb_stats() -> impl Strategy<Value = NodeStats> {
                 layer_versions,
                 staleness_histogram,
                 accuracy,
+                rss_bytes,
+                peak_rss_bytes,
             },
         )
 }
@@ -367,6 +371,8 @@ pub fn sample_messages() -> Vec<Message> {
             layer_versions: vec![(0, 10), (1, 12)],
             staleness_histogram: vec![5, 2, 1],
             accuracy: Some(0.91),
+            rss_bytes: 90 << 20,
+            peak_rss_bytes: 120 << 20,
         }),
         Message::Heartbeat(Heartbeat {
             node_id: 42,

@@ -995,6 +995,7 @@ impl Shell {
             return;
         };
         let c: AggregatorCounters = self.state.counters();
+        let memory = node::memory::process_memory();
         let stats = NodeStats {
             node_id: self.id,
             role: Role::Aggregator,
@@ -1009,6 +1010,8 @@ impl Shell {
             layer_versions: self.layer_versions(),
             staleness_histogram: self.staleness.clone(),
             accuracy: None,
+            rss_bytes: memory.rss_bytes,
+            peak_rss_bytes: memory.peak_rss_bytes,
         };
         tokio::spawn(async move {
             let _ = link

@@ -137,6 +137,14 @@ pub struct SyncSection {
     /// Stats report interval, milliseconds.
     #[serde(default = "default_stats")]
     pub stats_every_ms: u64,
+    /// Memory sled may use for its page cache of the weak-sync cache, MiB (sled's own default
+    /// is 1 GiB; the backlog itself lives on disk).
+    #[serde(default = "default_cache_capacity_mb")]
+    pub cache_capacity_mb: u64,
+}
+
+fn default_cache_capacity_mb() -> u64 {
+    crate::durable_cache::DEFAULT_CAPACITY_BYTES >> 20
 }
 
 fn default_period() -> u64 {

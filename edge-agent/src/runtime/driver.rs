@@ -406,6 +406,7 @@ impl SyncDriver {
 
     /// This node's counters as a [`NodeStats`] message.
     pub fn stats(&self) -> NodeStats {
+        let memory = node::memory::process_memory();
         NodeStats {
             node_id: self.client.node_id(),
             role: self.role,
@@ -428,6 +429,8 @@ impl SyncDriver {
                 .collect(),
             staleness_histogram: Vec::new(),
             accuracy: self.counters.accuracy,
+            rss_bytes: memory.rss_bytes,
+            peak_rss_bytes: memory.peak_rss_bytes,
         }
     }
 

@@ -82,6 +82,10 @@ pub struct NodeRunSummary {
     pub counters: DriverCounters,
     /// Wall seconds.
     pub wall_seconds: f64,
+    /// Resident memory at exit and its peak over the run.
+    pub memory: node::memory::ProcessMemory,
+    /// Bytes the training and test sets take in memory (at their stored precision).
+    pub data_bytes: u64,
 }
 
 /// Reads, increments and durably stores the seq incarnation in `dir/incarnation`. Seqs of
@@ -168,7 +172,10 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
     })?;
     drop(probe);
 
-    let (cache, report) = DurableCache::open(config.node.data_dir.join("cache"))?;
+    let (cache, report) = DurableCache::open_with_capacity(
+        config.node.data_dir.join("cache"),
+        config.sync.cache_capacity_mb.max(1) << 20,
+    )?;
     if let Some(m) = &report.moved_aside {
         warn!(
             "[WARN] weak-sync cache was damaged ({}); moved aside to {} and rebuilt with {} valid entries",
@@ -381,6 +388,8 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         undelivered,
         counters: driver.counters().clone(),
         wall_seconds: started.elapsed().as_secs_f64(),
+        memory: node::memory::process_memory(),
+        data_bytes: task.data_bytes() as u64,
     };
     let stats_path = config.node.data_dir.join("stats.json");
     let json = serde_json::to_string_pretty(&summary).unwrap_or_default();

@@ -80,7 +80,7 @@ pub fn parse_digits_csv(text: &str, source: &Path) -> Result<TrainTest, DataErro
         Dataset {
             name: name.to_string(),
             sample_shape: vec![1, IMAGE_SIDE, IMAGE_SIDE],
-            features,
+            features: features.into(),
             labels: rows.iter().map(|&row| labels[row]).collect(),
             classes: CLASSES,
         }
@@ -267,6 +267,7 @@ mod tests {
         let mean = data
             .train
             .features
+            .to_vec()
             .iter()
             .map(|&x| f64::from(x))
             .sum::<f64>()
@@ -274,6 +275,7 @@ mod tests {
         let var = data
             .train
             .features
+            .to_vec()
             .iter()
             .map(|&x| (f64::from(x) - mean).powi(2))
             .sum::<f64>()

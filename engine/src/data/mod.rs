@@ -9,12 +9,17 @@
 
 pub mod corpus;
 pub mod digits;
+pub mod features;
 pub mod locate;
 pub mod mnist;
 pub mod sampler;
 pub mod tensor_file;
 
 use std::path::PathBuf;
+
+pub use features::Features;
+
+use std::borrow::Cow;
 
 use crate::tensor::Tensor;
 
@@ -120,8 +125,9 @@ pub struct Dataset {
     pub name: String,
     /// Shape of one sample, e.g. `[1, 28, 28]` (channels, height, width).
     pub sample_shape: Vec<usize>,
-    /// `len() × prod(sample_shape)` normalized values, sample after sample.
-    pub features: Vec<f32>,
+    /// `len() × prod(sample_shape)` normalized values, sample after sample, at their stored
+    /// precision ([`Features`]).
+    pub features: Features,
     /// One class index per sample, each `< classes`.
     pub labels: Vec<u32>,
     /// Number of classes.
@@ -148,9 +154,14 @@ impl Dataset {
     ///
     /// # Panics
     /// When `index >= len()`.
-    pub fn sample(&self, index: usize) -> &[f32] {
+    pub fn sample(&self, index: usize) -> Cow<'_, [f32]> {
         let width = self.sample_len();
-        &self.features[index * width..(index + 1) * width]
+        self.features.values(index * width..(index + 1) * width)
+    }
+
+    /// Bytes the features and labels take in memory.
+    pub fn stored_bytes(&self) -> usize {
+        self.features.stored_bytes() + self.labels.len() * std::mem::size_of::<u32>()
     }
 
     /// Number of samples per class (length `classes`).
@@ -193,7 +204,8 @@ impl Dataset {
                 self.name,
                 self.len()
             );
-            row.copy_from_slice(self.sample(index));
+            self.features
+                .copy_into(index * width..(index + 1) * width, row);
         }
         targets.extend(indices.iter().map(|&index| self.labels[index] as usize));
     }
@@ -204,7 +216,7 @@ impl Dataset {
         Dataset {
             name: self.name.clone(),
             sample_shape: self.sample_shape.clone(),
-            features: self.features[..count * self.sample_len()].to_vec(),
+            features: self.features.prefix(count * self.sample_len()),
             labels: self.labels[..count].to_vec(),
             classes: self.classes,
         }
@@ -228,7 +240,7 @@ mod tests {
         Dataset {
             name: "toy".into(),
             sample_shape: vec![1, 2, 2],
-            features: (0..12).map(|v| v as f32).collect(),
+            features: (0..12).map(|v| v as f32).collect::<Vec<_>>().into(),
             labels: vec![2, 0, 1],
             classes: 3,
         }
@@ -258,7 +270,7 @@ mod tests {
         let first_two = data.truncated(2);
         assert_eq!(first_two.len(), 2);
         assert_eq!(
-            first_two.features,
+            first_two.features.to_vec(),
             (0..8).map(|v| v as f32).collect::<Vec<_>>()
         );
         assert_eq!(data.truncated(10).len(), 3);

@@ -76,14 +76,14 @@ pub fn parse_tensor_file(bytes: &[u8], path: &Path) -> Result<TrainTest, DataErr
         train: Dataset {
             name: format!("{name}-train"),
             sample_shape: sample_shape.clone(),
-            features: train_x,
+            features: train_x.into(),
             labels: train_y,
             classes,
         },
         test: Dataset {
             name: format!("{name}-test"),
             sample_shape,
-            features: test_x,
+            features: test_x.into(),
             labels: test_y,
             classes,
         },
@@ -205,7 +205,7 @@ mod tests {
         assert_eq!(tt.train.sample_shape, [1, 2, 2]);
         assert_eq!(tt.train.classes, 5);
         assert_eq!(tt.train.labels, [0, 4, 2]);
-        assert_eq!(tt.test.features, x);
+        assert_eq!(tt.test.features.to_vec(), x);
         assert_eq!(tt.train.name, "t-train");
     }
 
