@@ -28,6 +28,7 @@ const CACHE_BLOAT_FACTOR: u64 = 4;
 /// How many cache changes pass between two checks of a non-empty cache's disk use.
 const CACHE_CHECK_EVERY: u32 = 16;
 
+use super::mailbox::VersionMailbox;
 use super::topk::TopKSparsifier;
 
 /// Where the driver sends messages (the network task's command channel).
@@ -44,6 +45,8 @@ pub trait Outbox: Send {
 pub enum NetEvent {
     /// A message from an aggregator or the coordinator.
     Message(Message),
+    /// Global versions are waiting in this mailbox (sent when it goes from empty to not).
+    Versions(std::sync::Arc<VersionMailbox>),
     /// The connection to this aggregator is (again) up: retransmit the backlog now.
     AggregatorUp(NodeId),
     /// The network task stopped for good (e.g. the coordinator refused us); why.
@@ -65,6 +68,9 @@ pub struct DriverCounters {
     pub deltas_delivered: u64,
     /// Global versions written into the model.
     pub versions_applied: u64,
+    /// Global versions replaced by a newer one of the same layer before the training thread
+    /// took them (never held in memory beside it).
+    pub versions_superseded: u64,
     /// Cached entries restored from disk at start.
     pub restored_from_cache: u64,
     /// Latest local evaluation accuracy.
@@ -235,6 +241,14 @@ impl SyncDriver {
                 self.client.handle_message(now, Message::LayerVersion(v));
             }
             NetEvent::Message(msg) => self.client.handle_message(now, msg),
+            NetEvent::Versions(mailbox) => {
+                let taken = mailbox.take();
+                self.counters.bytes_received += taken.bytes_received;
+                self.counters.versions_superseded += taken.superseded;
+                for v in taken.versions {
+                    self.client.handle_message(now, Message::LayerVersion(v));
+                }
+            }
             NetEvent::AggregatorUp(id) => {
                 debug!(aggregator = id, "link up: flushing the weak-sync backlog");
                 self.client.on_link_up(now);

@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod driver;
+pub mod mailbox;
 pub mod net;
 pub mod run;
 pub mod topk;

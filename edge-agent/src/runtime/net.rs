@@ -18,6 +18,7 @@ use tracing::{debug, error, info, warn};
 use transport::{PeerConnection, QuicNode};
 
 use super::driver::{NetEvent, Outbox};
+use super::mailbox::VersionMailbox;
 use crate::config::NodeId;
 
 /// What the network task needs to know.
@@ -161,6 +162,7 @@ pub async fn start_node_net(
         events,
         shutdown: shutdown.clone(),
         delta_sends: Arc::default(),
+        versions: Arc::default(),
     };
     ctx.ensure_aggregators(&join_ack.aggregators);
     let task = tokio::spawn(ctx.run(coordinator, rx));
@@ -252,6 +254,8 @@ struct Ctx {
     links: Arc<Mutex<Links>>,
     events: std::sync::mpsc::Sender<NetEvent>,
     shutdown: CancellationToken,
+    /// Global versions waiting for the training thread.
+    versions: Arc<VersionMailbox>,
     /// The send task of the latest delta per (aggregator, layer): a new attempt of a layer
     /// cancels the previous one (its stream is reset), so retransmissions never pile up on a
     /// slow link.
@@ -341,6 +345,17 @@ impl Ctx {
                 Ok(Message::LayerMap(map)) => {
                     self.ensure_aggregators(&map.aggregators);
                     let _ = self.events.send(NetEvent::Message(Message::LayerMap(map)));
+                }
+                Ok(Message::LayerVersion(v)) => {
+                    let notify = self.versions.put(v);
+                    if notify
+                        && self
+                            .events
+                            .send(NetEvent::Versions(Arc::clone(&self.versions)))
+                            .is_err()
+                    {
+                        return "driver gone".into();
+                    }
                 }
                 Ok(msg) => {
                     if self.events.send(NetEvent::Message(msg)).is_err() {
