@@ -26,6 +26,8 @@ use serde::{Deserialize, Serialize};
 use tokio::process::{Child, Command};
 use transport::config::TransportSection;
 
+use crate::cluster_health;
+
 use crate::coordinator_cmd::{CoordinatorFile, CoordinatorNodeSection};
 
 /// Flags of `cluster`.
@@ -316,8 +318,13 @@ pub struct NodeSummary {
     pub duplicates_rejected: u64,
     /// Local accuracy at the end (trainers).
     pub local_accuracy: Option<f64>,
-    /// Deltas still undelivered at exit (trainers).
+    /// Deltas still undelivered at exit (trainers): from its `stats.json`, or, for a
+    /// trainer that never exited cleanly, counted in its durable cache on disk afterwards.
     pub undelivered: Option<u64>,
+    /// Whether `undelivered` was read from the durable cache after the process died.
+    pub undelivered_from_disk: bool,
+    /// Why the node counts as lost (it died or failed outside the chaos plan), if it does.
+    pub lost: Option<String>,
     /// Times it was killed with SIGKILL and restarted.
     pub kills: u32,
     /// Exit status of its last run.
@@ -357,6 +364,9 @@ pub struct ClusterSummary {
     pub relay_dropped_datagrams: u64,
     /// Wall seconds.
     pub wall_seconds: f64,
+    /// Everything that makes this run not clean (lost nodes, undelivered deltas), one
+    /// sentence each; `cluster` exits non-zero when there is any.
+    pub problems: Vec<String>,
 }
 
 struct Proc {
@@ -477,6 +487,13 @@ pub fn run(args: ClusterArgs) -> Result<()> {
         .build()?;
     let summary = runtime.block_on(run_cluster(file, &args, &base_dir))?;
     print_table(&summary);
+    if !summary.problems.is_empty() {
+        anyhow::bail!(
+            "cluster {} finished with {} problem(s) (listed above, and in summary.json)",
+            summary.cluster,
+            summary.problems.len()
+        );
+    }
     Ok(())
 }
 
@@ -935,6 +952,8 @@ async fn run_cluster(
             duplicates_rejected: stats["duplicates_rejected"].as_u64().unwrap_or(0),
             local_accuracy: None,
             undelivered: None,
+            undelivered_from_disk: false,
+            lost: None,
             kills: p.kills,
             exit: exits.get(&p.name).cloned().unwrap_or_default(),
         });
@@ -953,11 +972,23 @@ async fn run_cluster(
         .filter(|e| ledger.binary_search(e).is_ok())
         .count() as u64;
     for p in &trainers {
-        let stats: serde_json::Value =
-            std::fs::read_to_string(out.join(&p.name).join("data/stats.json"))
-                .ok()
-                .and_then(|t| serde_json::from_str(&t).ok())
-                .unwrap_or_default();
+        let data_dir = out.join(&p.name).join("data");
+        let stats: serde_json::Value = std::fs::read_to_string(data_dir.join("stats.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default();
+        // No stats: the last run never exited cleanly; what its cache still holds was never
+        // delivered.
+        let (undelivered, undelivered_from_disk) = match stats["undelivered"].as_u64() {
+            Some(n) => (Some(n), false),
+            None => match cluster_health::undelivered_on_disk(&data_dir) {
+                Ok(n) => (Some(n), true),
+                Err(e) => {
+                    tracing::error!("[ERROR] cannot read {}'s durable cache: {e}", p.name);
+                    (None, true)
+                }
+            },
+        };
         nodes.push(NodeSummary {
             name: p.name.clone(),
             role: p.role.into(),
@@ -967,10 +998,38 @@ async fn run_cluster(
             deltas_applied: 0,
             duplicates_rejected: 0,
             local_accuracy: stats["final_accuracy"].as_f64(),
-            undelivered: stats["undelivered"].as_u64(),
+            undelivered,
+            undelivered_from_disk,
+            lost: None,
             kills: p.kills,
             exit: exits.get(&p.name).cloned().unwrap_or_default(),
         });
+    }
+    for n in nodes.iter_mut() {
+        if let cluster_health::Fate::Lost(why) = cluster_health::fate(&n.exit) {
+            n.lost = Some(why);
+        }
+    }
+    let mut problems = cluster_health::problems(
+        &nodes
+            .iter()
+            .map(|n| cluster_health::NodeOutcome {
+                name: &n.name,
+                role: &n.role,
+                exit: &n.exit,
+                undelivered: n.undelivered.map(|u| (u, n.undelivered_from_disk)),
+            })
+            .collect::<Vec<_>>(),
+    );
+    if let Some(exit) = exits.get("coordinator") {
+        if let cluster_health::Fate::Lost(why) = cluster_health::fate(exit) {
+            problems.push(format!("the coordinator was lost: {why}"));
+        }
+    }
+    if ledger_duplicates > 0 {
+        problems.push(format!(
+            "{ledger_duplicates} deltas were applied more than once (ledger duplicates)"
+        ));
     }
     let summary = ClusterSummary {
         cluster: file.cluster.name.clone(),
@@ -986,6 +1045,7 @@ async fn run_cluster(
         reapplied_after_loss,
         relay_dropped_datagrams: relay_dropped,
         wall_seconds: started.elapsed().as_secs_f64(),
+        problems,
     };
     std::fs::write(
         out.join("summary.json"),
@@ -1046,6 +1106,16 @@ fn print_table(s: &ClusterSummary) {
         "deltas applied {} · duplicates rejected {} · weak-sync events {} · ledger duplicates {} · relay drops {}",
         s.deltas_applied, s.duplicates_rejected, s.weak_sync_events, s.ledger_duplicates, s.relay_dropped_datagrams
     );
+    let undelivered: u64 = s.nodes.iter().filter_map(|n| n.undelivered).sum();
+    let lost = s.nodes.iter().filter(|n| n.lost.is_some()).count();
+    if s.problems.is_empty() {
+        println!("clean: no node lost, nothing left undelivered");
+    } else {
+        println!("NOT CLEAN: {lost} node(s) lost · {undelivered} deltas left undelivered");
+        for p in &s.problems {
+            println!("[WARN] {p}");
+        }
+    }
     if s.reapplied_after_loss > 0 {
         println!(
             "{} deltas applied by an aggregator lost for good, in versions the coordinator never got, were retransmitted and applied by the new owner",

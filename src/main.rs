@@ -4,6 +4,7 @@ mod bench_cmd;
 mod bench_tch;
 mod cli;
 mod cluster_cmd;
+mod cluster_health;
 mod compare;
 mod coordinator_cmd;
 mod node_cmds;

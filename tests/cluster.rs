@@ -248,6 +248,109 @@ fn kill_9_of_an_edge_and_an_aggregator_loses_nothing_and_applies_each_delta_once
     assert!(log.contains("resumed from"), "{log}");
 }
 
+/// The pid of the running process whose command line contains every one of `needles`.
+fn find_process(needles: &[&str]) -> Option<i32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            needles.iter().all(|n| cmdline.contains(n)).then_some(pid)
+        })
+}
+
+/// A node the chaos plan does not know about dies (here `kill -9` from outside the cluster,
+/// which is what the kernel's OOM killer does) while its durable cache holds deltas: the
+/// launcher says it was lost, counts what its cache still held on disk, lists both as
+/// problems, and exits non-zero; the rest of the cluster trains on.
+#[test]
+fn a_node_killed_outside_the_plan_is_reported_lost_with_its_undelivered_count() {
+    let _turn = ONE_CLUSTER_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let dir = scratch("cluster-oom");
+    let _cleanup = RemoveOnSuccess(dir.clone());
+    let file = dir.join("oom.toml");
+    // The chaos cluster without its [[chaos]] plan: edge-2's relay is out for 30 s.
+    let config = chaos_cluster();
+    let config = &config[..config.find("[[chaos]]").unwrap()];
+    std::fs::write(&file, config.replace("name = \"chaos\"", "name = \"oom\"")).unwrap();
+    let out = dir.join("out");
+    let cluster = Command::new(env!("CARGO_BIN_EXE_dreamddp"))
+        .args([
+            "cluster",
+            file.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut cluster = Killed(cluster);
+    let log = out.join("edge-2/log.txt");
+    wait_for_text(&log, "deadline missed, cached", Duration::from_secs(120));
+    // Cached entries are durable before the warning is logged; give the next cuts a moment.
+    std::thread::sleep(Duration::from_secs(1));
+    let config_path = out.join("edge-2/config.toml");
+    let pid = find_process(&["edge", config_path.to_str().unwrap()]).expect("edge-2's pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let status = loop {
+        if let Some(status) = cluster.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the cluster never finished");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let mut stdout = String::new();
+    if let Some(mut o) = cluster.0.stdout.take() {
+        std::io::Read::read_to_string(&mut o, &mut stdout).unwrap();
+    }
+    assert!(
+        !status.success(),
+        "a lost node must fail the run:\n{stdout}"
+    );
+    assert!(stdout.contains("NOT CLEAN: 1 node(s) lost"), "{stdout}");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let edge = node(&summary, "edge-2");
+    assert!(edge["lost"].as_str().unwrap().contains("OOM"), "{summary}");
+    assert_eq!(edge["undelivered_from_disk"], true, "{summary}");
+    let undelivered = edge["undelivered"].as_u64().unwrap();
+    assert!(undelivered > 0, "its cache held deltas: {summary}");
+    let problems: Vec<&str> = summary["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p.as_str())
+        .collect();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.starts_with("edge-2 (edge) was lost"))
+            && problems
+                .iter()
+                .any(|p| p.contains(&format!("{undelivered} deltas left undelivered"))),
+        "{problems:?}"
+    );
+    // Everyone else finished cleanly and the global model trained.
+    assert_eq!(node(&summary, "edge-1")["lost"], Value::Null, "{summary}");
+    assert_eq!(node(&summary, "edge-1")["undelivered"], 0, "{summary}");
+    assert!(
+        summary["final_accuracy"].as_f64().unwrap() > 0.8,
+        "{summary}"
+    );
+}
+
 /// An aggregator lost for good: the coordinator's lease on it expires, its layers move to the
 /// other aggregator (which adopts the newest checkpoint the coordinator holds), the nodes
 /// follow the new map, and training goes on to a good model with nothing left undelivered.
