@@ -101,4 +101,21 @@ fn main() {
         "ratio aggregator/memcpy = {:.2}x (median of per-round ratios; target >= 0.8x)",
         median(&ratios)
     );
+    println!(
+        "fused kernels dispatched to: {} (cpu: {})",
+        engine::fused_reduce::simd_target(),
+        cpu_model()
+    );
+}
+
+/// The CPU's model name (`/proc/cpuinfo`), for the README's "which CPU" column.
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|rest| rest.trim_start_matches([' ', '\t', ':']).trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
 }
