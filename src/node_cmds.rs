@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 /// Flags of `aggregator`, `worker` and `edge`.
 #[derive(Args, Debug, Clone)]
 pub struct ProcessArgs {
-    /// The process's TOML config (see `examples/` and the README's "The real cluster").
+    /// The process's TOML config (see `examples/` and docs/cluster.md).
     #[arg(long)]
     pub config: PathBuf,
     /// Override one config key, e.g. `--set node.listen=0.0.0.0:7100 --set sync.deadline_ms=800`

@@ -483,7 +483,7 @@ fn a_layer_moving_back_to_a_restarted_aggregator_is_handed_over_in_two_phases() 
         assert_eq!(node(&summary, name)["undelivered"], 0, "{summary}");
     }
     // Not asserted: `ledger_duplicates` (the ledgers carry no version tags, so a delta agg-2
-    // applied in its rolled-back branch and agg-1 re-applied once would be counted; README).
+    // applied in its rolled-back branch and agg-1 re-applied once would be counted; docs/cluster.md).
     assert!(
         summary["final_accuracy"].as_f64().unwrap() > 0.8,
         "{summary}"
