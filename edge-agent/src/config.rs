@@ -86,6 +86,9 @@ pub struct ClientConfig {
     /// below the highest it applied as a duplicate): persist
     /// [`crate::SyncClient::next_seq`] and pass it back here.
     pub first_seq: u64,
+    /// How attempt deadlines are chosen: each layer's `deadline_ns`, or adapted to observed
+    /// delta→ack times ([`crate::deadline`]).
+    pub deadline_policy: crate::deadline::DeadlinePolicy,
 }
 
 impl Default for ClientConfig {
@@ -95,6 +98,7 @@ impl Default for ClientConfig {
             delta_codec: Codec::RawF32,
             flush_interval_ns: 1_000_000_000,
             first_seq: 1,
+            deadline_policy: crate::deadline::DeadlinePolicy::Fixed,
         }
     }
 }

@@ -21,6 +21,7 @@
 
 pub mod cache;
 pub mod config;
+pub mod deadline;
 pub mod durable_cache;
 pub mod error;
 pub mod runtime;
@@ -31,6 +32,7 @@ mod e2e_tests;
 
 pub use cache::CacheEntry;
 pub use config::{spread_phases, ClientConfig, LayerInit, LayerSpec, NodeId};
+pub use deadline::{AdaptiveDeadline, DeadlinePolicy};
 pub use durable_cache::{CacheError, DurableCache, OpenReport};
 pub use error::{CacheDecodeError, ClientError};
 pub use state::{ClientCounters, ClientEvent, CutOutcome, InFlightView, Output, SyncClient};

@@ -46,6 +46,7 @@ use protocol::{
 
 use crate::cache::CacheEntry;
 use crate::config::{ClientConfig, LayerInit, LayerSpec, NodeId};
+use crate::deadline::{AckTimes, DeadlinePolicy};
 use crate::error::ClientError;
 
 /// Codec of messages sent from the cache: lossless, so a retransmission carries exactly the
@@ -250,6 +251,9 @@ struct InFlight {
     attempts: u32,
     deadline: u64,
     from_cache: bool,
+    /// When the first attempt went out (the delta→ack time of a message acked after one
+    /// transmission is a sample of the adaptive deadline).
+    first_sent: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -274,6 +278,25 @@ struct LayerSync {
     resync_target: Option<u64>,
     /// Seq of a coalesced entry waiting to become durable before it is sent.
     bundle_awaiting_durability: Option<u64>,
+    /// Recent delta→ack times to the current owner (adaptive deadlines).
+    ack_times: AckTimes,
+    /// Karn's backoff: attempts missed since the last clean sample double the deadline.
+    backoff: u32,
+}
+
+/// The deadline of the layer's next attempt: the configured one when fixed; the adaptive
+/// estimate doubled per attempt missed since the last delta acked after a single
+/// transmission (Karn's algorithm: a retransmitted message's ack is ambiguous and never a
+/// sample, and backing off is what lets a too-short deadline learn the true time), at most
+/// the policy's upper bound.
+fn attempt_deadline_ns(policy: &DeadlinePolicy, l: &LayerSync) -> u64 {
+    let base = l.ack_times.deadline_ns(policy, l.spec.deadline_ns);
+    match policy {
+        DeadlinePolicy::Fixed => base,
+        DeadlinePolicy::Adaptive(a) => base
+            .saturating_mul(1u64 << l.backoff.min(16))
+            .min(a.max_ns.max(base)),
+    }
 }
 
 impl LayerSync {
@@ -337,6 +360,8 @@ impl SyncClient {
                 cache: Vec::new(),
                 resync_target: None,
                 bundle_awaiting_durability: None,
+                ack_times: AckTimes::default(),
+                backoff: 0,
             });
         }
         Ok(SyncClient {
@@ -387,6 +412,13 @@ impl SyncClient {
     /// The layer's anchor (= θ at the latest cut, in the latest global frame).
     pub fn anchor(&self, layer_id: u32) -> Option<&[f32]> {
         Some(&self.layers[*self.index.get(&layer_id)?].anchor)
+    }
+
+    /// The deadline the layer's next attempt would get, nanoseconds (the configured one, or
+    /// the adaptive estimate with its backoff).
+    pub fn attempt_deadline_ns(&self, layer_id: u32) -> Option<u64> {
+        let l = &self.layers[*self.index.get(&layer_id)?];
+        Some(attempt_deadline_ns(&self.config.deadline_policy, l))
     }
 
     /// Cache entries of the layer.
@@ -621,11 +653,13 @@ impl SyncClient {
         l.samples_since_cut = 0;
         self.counters.deltas_sent += 1;
         self.counters.bytes_sent += payload.payload.len() as u64;
+        let deadline = now.saturating_add(attempt_deadline_ns(&self.config.deadline_policy, l));
         l.in_flight = Some(InFlight {
             payload: payload.clone(),
             attempts: 1,
-            deadline: now.saturating_add(l.spec.deadline_ns),
+            deadline,
             from_cache: false,
+            first_sent: now,
         });
         self.outputs.push_back(Output::Send {
             to: l.spec.owner,
@@ -684,7 +718,14 @@ impl SyncClient {
             .as_ref()
             .is_some_and(|f| f.payload.seq == ack.seq);
         if in_flight_match {
-            l.in_flight = None;
+            if let Some(f) = l.in_flight.take() {
+                if let (DeadlinePolicy::Adaptive(a), 1) = (&self.config.deadline_policy, f.attempts)
+                {
+                    l.ack_times
+                        .record(now.saturating_sub(f.first_sent), a.window);
+                    l.backoff = 0;
+                }
+            }
         }
         let cached = l.cache.iter().position(|s| s.entry.seq == ack.seq);
         if let Some(pos) = cached {
@@ -826,13 +867,21 @@ impl SyncClient {
     pub fn handle_timeout(&mut self, now: u64) {
         for li in 0..self.layers.len() {
             let l = &mut self.layers[li];
-            let Some(f) = l.in_flight.as_mut().filter(|f| f.deadline <= now) else {
+            if !l.in_flight.as_ref().is_some_and(|f| f.deadline <= now) {
+                continue;
+            }
+            let layer_id = l.spec.layer_id;
+            if let DeadlinePolicy::Adaptive(_) = self.config.deadline_policy {
+                l.backoff = (l.backoff + 1).min(16);
+            }
+            let next_deadline =
+                now.saturating_add(attempt_deadline_ns(&self.config.deadline_policy, l));
+            let Some(f) = l.in_flight.as_mut() else {
                 continue;
             };
-            let layer_id = l.spec.layer_id;
             if f.attempts < self.config.max_attempts {
                 f.attempts += 1;
-                f.deadline = now.saturating_add(l.spec.deadline_ns);
+                f.deadline = next_deadline;
                 self.counters.retransmissions += 1;
                 self.counters.bytes_sent += f.payload.payload.len() as u64;
                 let msg = Message::LayerDelta(f.payload.clone());
@@ -1064,11 +1113,13 @@ impl SyncClient {
             self.counters.deltas_sent += 1;
         }
         self.counters.bytes_sent += payload.payload.len() as u64;
+        let deadline = now.saturating_add(attempt_deadline_ns(&self.config.deadline_policy, l));
         l.in_flight = Some(InFlight {
             payload: payload.clone(),
             attempts: 1,
-            deadline: now.saturating_add(l.spec.deadline_ns),
+            deadline,
             from_cache: true,
+            first_sent: now,
         });
         self.outputs.push_back(Output::Send {
             to: l.spec.owner,

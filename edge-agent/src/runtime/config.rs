@@ -111,9 +111,24 @@ pub struct SyncSection {
     /// Every layer is exchanged once per this many steps (phases spread over the layers).
     #[serde(default = "default_period")]
     pub period_steps: u64,
-    /// Deadline of one attempt of a layer exchange, milliseconds.
+    /// Deadline of one attempt of a layer exchange, milliseconds: every attempt's with
+    /// `deadline_mode = "fixed"`, the starting value with `"adaptive"`.
     #[serde(default = "default_deadline")]
     pub deadline_ms: u64,
+    /// `adaptive` (default): per layer, median + k·MAD of the observed delta→ack times,
+    /// between `deadline_min_ms` and `deadline_max_ms`, with Karn's backoff; `fixed`: always
+    /// `deadline_ms` (or the per-layer override).
+    #[serde(default = "default_deadline_mode")]
+    pub deadline_mode: String,
+    /// Lower bound of an adaptive deadline, milliseconds.
+    #[serde(default = "default_deadline_min")]
+    pub deadline_min_ms: u64,
+    /// Upper bound of an adaptive deadline, milliseconds.
+    #[serde(default = "default_deadline_max")]
+    pub deadline_max_ms: u64,
+    /// `k` of an adaptive deadline (robust standard deviations above the median).
+    #[serde(default = "default_deadline_k")]
+    pub deadline_k: f64,
     /// Per-layer deadline overrides by layer name, milliseconds.
     #[serde(default)]
     pub deadline_ms_by_layer: HashMap<String, u64>,
@@ -141,6 +156,64 @@ pub struct SyncSection {
     /// is 1 GiB; the backlog itself lives on disk).
     #[serde(default = "default_cache_capacity_mb")]
     pub cache_capacity_mb: u64,
+}
+
+fn default_deadline_mode() -> String {
+    "adaptive".into()
+}
+fn default_deadline_min() -> u64 {
+    50
+}
+fn default_deadline_max() -> u64 {
+    30_000
+}
+fn default_deadline_k() -> f64 {
+    4.0
+}
+
+impl SyncSection {
+    /// The deadline policy these keys describe (names the bad key otherwise).
+    pub fn deadline_policy(&self) -> Result<crate::deadline::DeadlinePolicy, NodeConfigError> {
+        use crate::deadline::{AdaptiveDeadline, DeadlinePolicy};
+        let invalid = |key, value: String, why: &str| NodeConfigError::Invalid {
+            key,
+            value,
+            why: why.into(),
+        };
+        match self.deadline_mode.as_str() {
+            "fixed" => Ok(DeadlinePolicy::Fixed),
+            "adaptive" => {
+                if self.deadline_min_ms == 0 || self.deadline_min_ms > self.deadline_max_ms {
+                    return Err(invalid(
+                        "sync.deadline_min_ms",
+                        self.deadline_min_ms.to_string(),
+                        &format!(
+                            "must be at least 1 and at most sync.deadline_max_ms = {}",
+                            self.deadline_max_ms
+                        ),
+                    ));
+                }
+                if !(self.deadline_k.is_finite() && self.deadline_k >= 0.0) {
+                    return Err(invalid(
+                        "sync.deadline_k",
+                        self.deadline_k.to_string(),
+                        "must be a number >= 0 (4 is a good start)",
+                    ));
+                }
+                Ok(DeadlinePolicy::Adaptive(AdaptiveDeadline {
+                    k: self.deadline_k,
+                    min_ns: self.deadline_min_ms * 1_000_000,
+                    max_ns: self.deadline_max_ms * 1_000_000,
+                    ..AdaptiveDeadline::default()
+                }))
+            }
+            other => Err(invalid(
+                "sync.deadline_mode",
+                format!("{other:?}"),
+                "use \"adaptive\" or \"fixed\"",
+            )),
+        }
+    }
 }
 
 fn default_cache_capacity_mb() -> u64 {
@@ -353,6 +426,7 @@ impl NodeRunConfig {
                 "must be a positive number",
             ));
         }
+        s.deadline_policy()?;
         if s.period_steps == 0 {
             return Err(invalid(
                 "sync.period_steps",
@@ -482,5 +556,37 @@ steps = 10
         let text = format!("{GOOD}\n[transport]\nwindow = 5\n");
         let e = NodeRunConfig::parse(&text, Path::new("x.toml")).unwrap_err();
         assert!(e.to_string().contains("window"), "{e}");
+    }
+
+    #[test]
+    fn deadlines_are_adaptive_by_default_fixed_on_request_and_bad_keys_are_named() {
+        use crate::deadline::DeadlinePolicy;
+        let c = NodeRunConfig::parse(GOOD, Path::new("x.toml")).unwrap();
+        let DeadlinePolicy::Adaptive(a) = c.sync.deadline_policy().unwrap() else {
+            panic!("adaptive by default")
+        };
+        assert_eq!((a.min_ns, a.max_ns, a.k), (50_000_000, 30_000_000_000, 4.0));
+        let sync = |extra: &str| {
+            let text = if GOOD.contains("[sync]") {
+                GOOD.replace("[sync]", &format!("[sync]\n{extra}"))
+            } else {
+                format!("{GOOD}\n[sync]\n{extra}\n")
+            };
+            NodeRunConfig::parse(&text, Path::new("x.toml"))
+        };
+        let c = sync("deadline_mode = \"fixed\"").unwrap();
+        assert_eq!(c.sync.deadline_policy().unwrap(), DeadlinePolicy::Fixed);
+        for (extra, key) in [
+            ("deadline_mode = \"smart\"", "sync.deadline_mode"),
+            ("deadline_min_ms = 0", "sync.deadline_min_ms"),
+            (
+                "deadline_min_ms = 900\ndeadline_max_ms = 800",
+                "sync.deadline_min_ms",
+            ),
+            ("deadline_k = -1.0", "sync.deadline_k"),
+        ] {
+            let e = sync(extra).unwrap_err();
+            assert!(e.to_string().starts_with(key), "{extra}: {e}");
+        }
     }
 }

@@ -277,6 +277,10 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         delta_codec: delta_codec.wire_codec(),
         flush_interval_ns: config.sync.flush_interval_ms * 1_000_000,
         first_seq: incarnation << 32,
+        deadline_policy: config
+            .sync
+            .deadline_policy()
+            .map_err(|e| NodeRunError::Config(e.to_string()))?,
     };
     let mut client = SyncClient::new(config.node.id, inits, client_config)
         .map_err(|e| NodeRunError::Training(e.to_string()))?;

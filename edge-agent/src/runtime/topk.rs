@@ -122,6 +122,7 @@ mod tests {
             delta_codec: Codec::ZstdRawF32,
             flush_interval_ns: 0,
             first_seq: 1,
+            ..ClientConfig::default()
         };
         let init = LayerInit {
             spec,

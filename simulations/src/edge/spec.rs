@@ -55,6 +55,12 @@ pub struct EdgeSpec {
     /// (which an ack may queue behind) and make one round trip. Default 500.
     #[serde(default = "default_deadline_ms")]
     pub deadline_ms: f64,
+    /// `adaptive` (default): each layer's deadline follows its observed delta→ack times
+    /// (median + 4·MAD, 50 ms … 30 s, Karn's backoff), starting from the deadline above;
+    /// `fixed`: always the deadline above (what the real nodes do with
+    /// `[sync] deadline_mode = "fixed"`).
+    #[serde(default)]
+    pub deadline_mode: DeadlineMode,
     /// Transmissions of a delta before it is weak-synced into the cache (default 3).
     #[serde(default = "default_max_attempts")]
     pub max_attempts: u32,
@@ -75,6 +81,29 @@ pub struct EdgeSpec {
     /// Nodes that join late, leave, or crash and come back (`[[edge.churn]]`).
     #[serde(default)]
     pub churn: Vec<ChurnSpec>,
+}
+
+/// `[edge] deadline_mode`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeadlineMode {
+    /// From observed delta→ack times ([`edge_agent::DeadlinePolicy::Adaptive`]).
+    #[default]
+    Adaptive,
+    /// The configured deadline for every attempt.
+    Fixed,
+}
+
+impl DeadlineMode {
+    /// The sync client's policy.
+    pub fn policy(self) -> edge_agent::DeadlinePolicy {
+        match self {
+            DeadlineMode::Adaptive => {
+                edge_agent::DeadlinePolicy::Adaptive(edge_agent::AdaptiveDeadline::default())
+            }
+            DeadlineMode::Fixed => edge_agent::DeadlinePolicy::Fixed,
+        }
+    }
 }
 
 fn default_deadline_ms() -> f64 {

@@ -695,6 +695,7 @@ impl<'a> World<'a> {
             delta_codec: self.spec.delta_codec.codec(),
             flush_interval_ns: (self.spec.flush_interval_ms * 1e6) as u64,
             first_seq: self.nodes[node].durable_next_seq,
+            deadline_policy: self.spec.deadline_mode.policy(),
         };
         SyncClient::new(self.nodes[node].wire, inits, config)
             .map_err(|e| format!("{}: sync client: {e}", self.nodes[node].name))
