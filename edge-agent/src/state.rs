@@ -680,7 +680,13 @@ impl SyncClient {
     pub fn set_owner(&mut self, layer_id: u32, owner: NodeId) -> bool {
         match self.li(layer_id) {
             Ok(li) => {
-                self.layers[li].spec.owner = owner;
+                let l = &mut self.layers[li];
+                if l.spec.owner != owner {
+                    // Another aggregator, maybe behind another link: learn its times anew.
+                    l.ack_times.clear();
+                    l.backoff = 0;
+                }
+                l.spec.owner = owner;
                 true
             }
             Err(_) => false,
