@@ -284,17 +284,23 @@ struct LayerSync {
     backoff: u32,
 }
 
+/// At most 2³ = 8 times the estimate: enough to learn a link up to 8x slower than the deadline
+/// started, while a link that is simply down still weak-syncs its deltas into the durable
+/// cache within a few attempts (unbounded doubling would hold one delta in flight for the
+/// whole outage and leave the progress behind it in memory only).
+const MAX_BACKOFF: u32 = 3;
+
 /// The deadline of the layer's next attempt: the configured one when fixed; the adaptive
 /// estimate doubled per attempt missed since the last delta acked after a single
 /// transmission (Karn's algorithm: a retransmitted message's ack is ambiguous and never a
 /// sample, and backing off is what lets a too-short deadline learn the true time), at most
-/// the policy's upper bound.
+/// [`MAX_BACKOFF`] doublings and the policy's upper bound.
 fn attempt_deadline_ns(policy: &DeadlinePolicy, l: &LayerSync) -> u64 {
     let base = l.ack_times.deadline_ns(policy, l.spec.deadline_ns);
     match policy {
         DeadlinePolicy::Fixed => base,
         DeadlinePolicy::Adaptive(a) => base
-            .saturating_mul(1u64 << l.backoff.min(16))
+            .saturating_mul(1u64 << l.backoff.min(MAX_BACKOFF))
             .min(a.max_ns.max(base)),
     }
 }
@@ -878,7 +884,7 @@ impl SyncClient {
             }
             let layer_id = l.spec.layer_id;
             if let DeadlinePolicy::Adaptive(_) = self.config.deadline_policy {
-                l.backoff = (l.backoff + 1).min(16);
+                l.backoff = (l.backoff + 1).min(MAX_BACKOFF);
             }
             let next_deadline =
                 now.saturating_add(attempt_deadline_ns(&self.config.deadline_policy, l));
