@@ -212,7 +212,7 @@ mod tests {
             "adaptive learned the 30 ms link ({adaptive_weak})"
         );
         assert!(
-            adaptive_d >= 40 * MS && adaptive_d <= 60 * MS,
+            (40 * MS..=60 * MS).contains(&adaptive_d),
             "{} ms",
             adaptive_d / MS
         );

@@ -879,7 +879,7 @@ impl SyncClient {
     pub fn handle_timeout(&mut self, now: u64) {
         for li in 0..self.layers.len() {
             let l = &mut self.layers[li];
-            if !l.in_flight.as_ref().is_some_and(|f| f.deadline <= now) {
+            if l.in_flight.as_ref().is_none_or(|f| f.deadline > now) {
                 continue;
             }
             let layer_id = l.spec.layer_id;
