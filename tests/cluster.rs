@@ -278,19 +278,7 @@ fn a_node_killed_outside_the_plan_is_reported_lost_with_its_undelivered_count() 
     let config = &config[..config.find("[[chaos]]").unwrap()];
     std::fs::write(&file, config.replace("name = \"chaos\"", "name = \"oom\"")).unwrap();
     let out = dir.join("out");
-    let cluster = Command::new(env!("CARGO_BIN_EXE_dreamddp"))
-        .args([
-            "cluster",
-            file.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut cluster = Killed(cluster);
+    let mut cluster = spawn_cluster(&file, &out);
     let log = out.join("edge-2/log.txt");
     wait_for_text(&log, "deadline missed, cached", Duration::from_secs(120));
     // Cached entries are durable before the warning is logged; give the next cuts a moment.
@@ -497,6 +485,24 @@ fn free_port() -> SocketAddr {
         .unwrap()
 }
 
+/// Starts `dreamddp cluster FILE --out OUT` in the background (warnings only; stdout and
+/// stderr piped), killed when dropped.
+fn spawn_cluster(file: &Path, out: &Path) -> Killed {
+    let child = Command::new(env!("CARGO_BIN_EXE_dreamddp"))
+        .args([
+            "cluster",
+            file.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    Killed(child)
+}
+
 struct Killed(Child);
 impl Drop for Killed {
     fn drop(&mut self) {
@@ -665,19 +671,7 @@ fn an_authenticated_peer_sending_bad_frames_is_disconnected_and_training_goes_on
     )
     .unwrap();
     let out = dir.join("out");
-    let cluster = Command::new(env!("CARGO_BIN_EXE_dreamddp"))
-        .args([
-            "cluster",
-            file.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut cluster = Killed(cluster);
+    let mut cluster = spawn_cluster(&file, &out);
 
     // The aggregator's address, from the config the launcher wrote for it; a certificate from
     // the cluster's own CA for a peer that is not a member.

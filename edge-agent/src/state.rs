@@ -576,8 +576,8 @@ impl SyncClient {
             // in memory and on disk, however long it lasts.
             let tail_mergeable = l.bundle_awaiting_durability.is_none()
                 && l.cache.last().is_some_and(|t| t.durable && !t.maybe_sent);
-            if tail_mergeable {
-                if let Some(tail) = l.cache.pop() {
+            let merged_from = if tail_mergeable {
+                l.cache.pop().map(|tail| {
                     // `engine::staleness::coalesce` of (tail, cut), in place: both have the
                     // layer's length, the sum keeps the tail's (older) base version.
                     let t = tail.entry;
@@ -589,44 +589,37 @@ impl SyncClient {
                     entry.base_version = entry.base_version.min(t.base_version);
                     entry.sample_count += t.sample_count;
                     entry.step = entry.step.max(t.step);
-                    let base_version = entry.base_version;
-                    l.cache.push(CacheSlot {
-                        entry: entry.clone(),
-                        durable: false,
-                        maybe_sent: false,
-                    });
-                    l.bundle_awaiting_durability = Some(seq);
-                    self.counters.coalesced += 1;
-                    let pending = l.cache.len();
-                    self.outputs.push_back(Output::CacheReplace {
-                        layer_id,
-                        remove: vec![t.seq],
-                        put: entry,
-                    });
-                    self.outputs
-                        .push_back(Output::Event(ClientEvent::Coalesced {
-                            layer_id,
-                            seq,
-                            from_seqs: vec![t.seq],
-                            base_version,
-                        }));
-                    self.outputs
-                        .push_back(Output::Event(ClientEvent::CutCached {
-                            layer_id,
-                            seq,
-                            pending,
-                        }));
-                    self.schedule_flush(now);
-                    return Ok(CutOutcome::Cached(seq));
-                }
-            }
+                    t.seq
+                })
+            } else {
+                None
+            };
             l.cache.push(CacheSlot {
                 entry: entry.clone(),
                 durable: false,
                 maybe_sent: false,
             });
             let pending = l.cache.len();
-            self.outputs.push_back(Output::CachePut { entry });
+            match merged_from {
+                Some(tail_seq) => {
+                    l.bundle_awaiting_durability = Some(seq);
+                    self.counters.coalesced += 1;
+                    let base_version = entry.base_version;
+                    self.outputs.push_back(Output::CacheReplace {
+                        layer_id,
+                        remove: vec![tail_seq],
+                        put: entry,
+                    });
+                    self.outputs
+                        .push_back(Output::Event(ClientEvent::Coalesced {
+                            layer_id,
+                            seq,
+                            from_seqs: vec![tail_seq],
+                            base_version,
+                        }));
+                }
+                None => self.outputs.push_back(Output::CachePut { entry }),
+            }
             self.outputs
                 .push_back(Output::Event(ClientEvent::CutCached {
                     layer_id,
