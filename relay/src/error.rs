@@ -1,6 +1,6 @@
 //! [`RelayError`]: everything that can stop a relay from being configured or started.
 
-use simulations::TraceError;
+use link_model::TraceError;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use thiserror::Error;

@@ -19,7 +19,7 @@ use crate::config::RelayConfig;
 use crate::error::RelayError;
 use crate::shaper::{LinkShaper, Verdict};
 use crate::stats::{DirectionCounters, RelayStats};
-use simulations::SimRng;
+use link_model::SimRng;
 use std::cmp::{Ordering as CmpOrdering, Reverse};
 use std::collections::{BinaryHeap, HashMap};
 use std::io::ErrorKind;
@@ -481,7 +481,7 @@ mod tests {
         timeout(Duration::from_secs(10), async {
             let (server, echo) = echo_server().await;
             let down = RelayLinkSpec {
-                outages: vec![simulations::OutageSpec {
+                outages: vec![link_model::OutageSpec {
                     start_s: 0.0,
                     duration_s: 0.2,
                 }],
@@ -511,9 +511,9 @@ mod tests {
     #[tokio::test]
     async fn a_bad_trace_file_is_named() {
         let missing = RelayLinkSpec {
-            trace: Some(simulations::TraceSpec {
+            trace: Some(link_model::TraceSpec {
                 path: "/nonexistent/relay-test.up".into(),
-                format: simulations::TraceFormat::Mahimahi,
+                format: link_model::TraceFormat::Mahimahi,
                 looped: true,
             }),
             ..RelayLinkSpec::default()

@@ -45,11 +45,9 @@ pub mod events;
 pub mod link;
 pub mod replica;
 pub mod report;
-pub mod rng;
 pub mod scenario;
 pub mod scenario_net;
-pub mod time;
-pub mod trace;
+pub use link_model::{rng, time, trace};
 
 pub use events::{EventId, EventQueue, ScheduleInPast};
 pub use link::{

@@ -23,10 +23,11 @@
 //! Payload bytes are what counts against capacity (IP/UDP headers are not added). Times passed
 //! in are clamped to be non-decreasing. No clocks are read here.
 
-use crate::spec::{CapacitySource, LinkParams, RelayLinkSpec, RelaySpecError};
-use simulations::time::NANOS_PER_SEC;
-use simulations::trace::TraceCursor;
-use simulations::{GilbertElliott, SimRng, SimTime, Trace};
+use crate::relay_spec::{CapacitySource, LinkParams, RelayLinkSpec, RelaySpecError};
+use crate::rng::SimRng;
+use crate::time::{SimTime, NANOS_PER_SEC};
+use crate::trace::{Trace, TraceCursor};
+use crate::vocabulary::GilbertElliott;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -239,8 +240,10 @@ impl LinkShaper {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::time::SimDuration;
+    use crate::trace::TraceFormat;
+    use crate::vocabulary::{Bandwidth, GilbertElliottSpec, OutageSpec};
     use proptest::prelude::*;
-    use simulations::{Bandwidth, GilbertElliottSpec, OutageSpec, SimDuration, TraceFormat};
     use std::path::Path;
 
     const MS: u64 = 1_000_000;
@@ -482,7 +485,7 @@ mod tests {
 
     fn traced_spec(path: &str, format: TraceFormat) -> RelayLinkSpec {
         RelayLinkSpec {
-            trace: Some(simulations::TraceSpec {
+            trace: Some(crate::vocabulary::TraceSpec {
                 path: path.into(),
                 format,
                 looped: true,

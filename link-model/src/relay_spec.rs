@@ -1,8 +1,9 @@
 //! What a relay config says about one direction of the relayed link: [`RelayLinkSpec`].
 //!
-//! The pieces are the simulator's ([`Bandwidth`], [`GilbertElliottSpec`], [`OutageSpec`],
-//! [`TraceSpec`]), so a lossy edge is written the same way in a simulation scenario and in a relay
-//! config. Differences from the simulator's [`LinkSpec`]: capacity is optional (no `bandwidth` and
+//! The pieces are this crate's vocabulary ([`Bandwidth`], [`GilbertElliottSpec`], [`OutageSpec`],
+//! [`TraceSpec`]), the same the simulator's links are written in, so a lossy edge is written the
+//! same way in a simulation scenario and in a relay config. Differences from the simulator's
+//! `LinkSpec` (`simulations::LinkSpec`, which converts into this one): capacity is optional (no `bandwidth` and
 //! no `trace` means an unlimited link that only delays and drops), there is a router-like queue
 //! bound (`queue_ms` / `queue_bytes`) and periodic outages, and the QUIC-model fields (`mtu`,
 //! `idle_timeout_s`) do not exist because the relay carries real QUIC datagrams.
@@ -10,11 +11,10 @@
 //! [`RelayLinkSpec::params`] validates everything and converts it to integer nanoseconds; its
 //! errors name the field and the bad value.
 
+use crate::time::{NANOS_PER_MILLI, NANOS_PER_SEC};
+use crate::trace::{Trace, TraceError};
+use crate::vocabulary::{Bandwidth, GilbertElliottSpec, OutageSpec, PeriodicOutageSpec, TraceSpec};
 use serde::{Deserialize, Serialize};
-use simulations::time::{NANOS_PER_MILLI, NANOS_PER_SEC};
-use simulations::{
-    Bandwidth, GilbertElliottSpec, LinkSpec, OutageSpec, Trace, TraceError, TraceSpec,
-};
 use std::path::Path;
 use std::sync::Arc;
 use thiserror::Error;
@@ -24,20 +24,6 @@ pub const DEFAULT_QUEUE_MS: f64 = 200.0;
 
 fn default_queue_ms() -> f64 {
     DEFAULT_QUEUE_MS
-}
-
-/// A repeating outage: the link is down during `[offset_s + k·period_s, offset_s + k·period_s +
-/// duration_s)` for every `k ≥ 0` (seconds since the relay started).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PeriodicOutageSpec {
-    /// Time between the starts of two outages, in seconds.
-    pub period_s: f64,
-    /// Length of each outage in seconds (less than `period_s`).
-    pub duration_s: f64,
-    /// Start of the first outage, in seconds since the relay started (default 0).
-    #[serde(default)]
-    pub offset_s: f64,
 }
 
 /// One direction of the relayed link. Every field is optional; the default is a transparent link.
@@ -93,24 +79,6 @@ impl Default for RelayLinkSpec {
             trace: None,
             queue_ms: DEFAULT_QUEUE_MS,
             queue_bytes: None,
-        }
-    }
-}
-
-impl From<&LinkSpec> for RelayLinkSpec {
-    /// The relay equivalent of a simulator link (its `mtu` and `idle_timeout_s` describe the QUIC
-    /// model and have no relay counterpart).
-    fn from(spec: &LinkSpec) -> RelayLinkSpec {
-        RelayLinkSpec {
-            bandwidth: spec.bandwidth,
-            latency_ms: spec.latency_ms,
-            jitter_ms: spec.jitter_ms,
-            loss: spec.loss,
-            gilbert_elliott: spec.gilbert_elliott,
-            outages: spec.outages.clone(),
-            periodic_outage: None,
-            trace: spec.trace.clone(),
-            ..RelayLinkSpec::default()
         }
     }
 }
@@ -364,12 +332,7 @@ queue_ms = 50
     }
 
     #[test]
-    fn converts_a_simulator_link_and_resolves_relative_traces() {
-        let link: LinkSpec =
-            toml::from_str("bandwidth = \"5mbit\"\nlatency_ms = 40\nloss = 0.1").unwrap();
-        let spec = RelayLinkSpec::from(&link);
-        assert_eq!(spec.bandwidth, Some(Bandwidth::from_mbit(5)));
-        assert_eq!((spec.latency_ms, spec.loss), (40.0, 0.1));
+    fn relative_traces_resolve_against_the_config_folder() {
         let mut traced: RelayLinkSpec =
             toml::from_str("trace = { path = \"t/a.up\", format = \"mahimahi\" }").unwrap();
         traced.resolve_paths(Path::new("/etc/relay"));

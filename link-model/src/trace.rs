@@ -479,7 +479,7 @@ impl Trace {
 
     /// Gives back opportunities at or after `to` that the cursor had already consumed (a sender
     /// that aborts at `to` frees the capacity after it).
-    pub(crate) fn rewind_cursor(&self, cursor: &mut TraceCursor, to: SimTime) {
+    pub fn rewind_cursor(&self, cursor: &mut TraceCursor, to: SimTime) {
         if let Schedule::Opportunities { at_ns } = &self.schedule {
             let first_free = self.opportunities_before(at_ns, to.as_nanos());
             if cursor.next_opportunity > first_free {
