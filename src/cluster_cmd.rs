@@ -364,9 +364,11 @@ pub struct ClusterSummary {
     pub relay_dropped_datagrams: u64,
     /// Wall seconds.
     pub wall_seconds: f64,
-    /// Everything that makes this run not clean (lost nodes, undelivered deltas), one
-    /// sentence each; `cluster` exits non-zero when there is any.
+    /// Everything that makes this run not clean (lost nodes, undelivered deltas, deltas
+    /// applied twice), one sentence each; `cluster` exits non-zero when there is any.
     pub problems: Vec<String>,
+    /// What may be wrong but cannot be told from the ledgers (printed as `[WARN]`).
+    pub warnings: Vec<String>,
 }
 
 struct Proc {
@@ -1026,10 +1028,23 @@ async fn run_cluster(
             problems.push(format!("the coordinator was lost: {why}"));
         }
     }
+    // The ledgers carry no version tags: after an aggregator was killed and restarted, a delta
+    // applied in its rolled-back branch and re-applied by the layer's next owner is counted
+    // although the surviving history holds it once. Only without such a restart is a ledger
+    // duplicate certainly a delta applied twice.
+    let mut warnings = Vec::new();
     if ledger_duplicates > 0 {
-        problems.push(format!(
-            "{ledger_duplicates} deltas were applied more than once (ledger duplicates)"
-        ));
+        let restarted = nodes.iter().any(|n| n.role == "aggregator" && n.kills > 0);
+        let line = format!(
+            "{ledger_duplicates} (node, layer, seq) appear twice in the aggregators' ledgers"
+        );
+        if restarted {
+            warnings.push(format!(
+                "{line}; an aggregator was killed and restarted, so this may be a rolled-back branch counted twice"
+            ));
+        } else {
+            problems.push(format!("{line}: deltas were applied more than once"));
+        }
     }
     let summary = ClusterSummary {
         cluster: file.cluster.name.clone(),
@@ -1046,6 +1061,7 @@ async fn run_cluster(
         relay_dropped_datagrams: relay_dropped,
         wall_seconds: started.elapsed().as_secs_f64(),
         problems,
+        warnings,
     };
     std::fs::write(
         out.join("summary.json"),
@@ -1108,6 +1124,9 @@ fn print_table(s: &ClusterSummary) {
     );
     let undelivered: u64 = s.nodes.iter().filter_map(|n| n.undelivered).sum();
     let lost = s.nodes.iter().filter(|n| n.lost.is_some()).count();
+    for w in &s.warnings {
+        println!("[WARN] {w}");
+    }
     if s.problems.is_empty() {
         println!("clean: no node lost, nothing left undelivered");
     } else {
