@@ -823,7 +823,7 @@ async fn run_cluster(
                             ));
                         } else {
                             p.child = None;
-                            exits.insert(p.name.clone(), "killed (signal 9), not restarted".into());
+                            exits.insert(p.name.clone(), cluster_health::PLANNED_KILL.into());
                         }
                     }
                 }
@@ -944,6 +944,7 @@ async fn run_cluster(
             .ok()
             .and_then(|t| serde_json::from_str(&t).ok())
             .unwrap_or_default();
+        let exit = exits.get(&p.name).cloned().unwrap_or_default();
         nodes.push(NodeSummary {
             name: p.name.clone(),
             role: "aggregator".into(),
@@ -955,9 +956,9 @@ async fn run_cluster(
             local_accuracy: None,
             undelivered: None,
             undelivered_from_disk: false,
-            lost: None,
+            lost: cluster_health::lost_reason(&exit),
             kills: p.kills,
-            exit: exits.get(&p.name).cloned().unwrap_or_default(),
+            exit,
         });
     }
     let eval = task.evaluate(&mut eval_model, None);
@@ -991,6 +992,7 @@ async fn run_cluster(
                 }
             },
         };
+        let exit = exits.get(&p.name).cloned().unwrap_or_default();
         nodes.push(NodeSummary {
             name: p.name.clone(),
             role: p.role.into(),
@@ -1002,15 +1004,10 @@ async fn run_cluster(
             local_accuracy: stats["final_accuracy"].as_f64(),
             undelivered,
             undelivered_from_disk,
-            lost: None,
+            lost: cluster_health::lost_reason(&exit),
             kills: p.kills,
-            exit: exits.get(&p.name).cloned().unwrap_or_default(),
+            exit,
         });
-    }
-    for n in nodes.iter_mut() {
-        if let cluster_health::Fate::Lost(why) = cluster_health::fate(&n.exit) {
-            n.lost = Some(why);
-        }
     }
     let mut problems = cluster_health::problems(
         &nodes
@@ -1018,15 +1015,16 @@ async fn run_cluster(
             .map(|n| cluster_health::NodeOutcome {
                 name: &n.name,
                 role: &n.role,
-                exit: &n.exit,
+                lost: n.lost.as_deref(),
                 undelivered: n.undelivered.map(|u| (u, n.undelivered_from_disk)),
             })
             .collect::<Vec<_>>(),
     );
-    if let Some(exit) = exits.get("coordinator") {
-        if let cluster_health::Fate::Lost(why) = cluster_health::fate(exit) {
-            problems.push(format!("the coordinator was lost: {why}"));
-        }
+    if let Some(why) = exits
+        .get("coordinator")
+        .and_then(|e| cluster_health::lost_reason(e))
+    {
+        problems.push(format!("the coordinator was lost: {why}"));
     }
     // The ledgers carry no version tags: after an aggregator was killed and restarted, a delta
     // applied in its rolled-back branch and re-applied by the layer's next owner is counted

@@ -44,6 +44,14 @@ pub fn fate(exit: &str) -> Fate {
     Fate::Lost(why)
 }
 
+/// Why a process with this recorded exit counts as lost, if it does.
+pub fn lost_reason(exit: &str) -> Option<String> {
+    match fate(exit) {
+        Fate::Lost(why) => Some(why),
+        Fate::Clean | Fate::PlannedKill => None,
+    }
+}
+
 /// Deltas still held in the durable weak-sync cache under `data_dir/cache` of a trainer that
 /// is no longer running (the cache is opened, validated, and counted; a damaged one is
 /// repaired the way a restarted node would). `Ok(0)` when the node never created one.
@@ -63,8 +71,8 @@ pub struct NodeOutcome<'a> {
     pub name: &'a str,
     /// Role.
     pub role: &'a str,
-    /// Recorded exit.
-    pub exit: &'a str,
+    /// Why it counts as lost ([`fate`] of its exit), if it does.
+    pub lost: Option<&'a str>,
     /// Deltas left undelivered (trainers), and whether the count was read from disk after the
     /// process died (it never wrote its stats).
     pub undelivered: Option<(u64, bool)>,
@@ -74,7 +82,7 @@ pub struct NodeOutcome<'a> {
 pub fn problems(nodes: &[NodeOutcome<'_>]) -> Vec<String> {
     let mut out = Vec::new();
     for n in nodes {
-        if let Fate::Lost(why) = fate(n.exit) {
+        if let Some(why) = n.lost {
             out.push(format!("{} ({}) was lost: {why}", n.name, n.role));
         }
         match n.undelivered {
@@ -118,20 +126,20 @@ mod tests {
         let clean = NodeOutcome {
             name: "edge-1",
             role: "edge",
-            exit: "exit status: 0",
+            lost: None,
             undelivered: Some((0, false)),
         };
         let agg = NodeOutcome {
             name: "agg-1",
             role: "aggregator",
-            exit: "exit status: 0",
+            lost: None,
             undelivered: None,
         };
         assert!(problems(&[clean.clone(), agg]).is_empty());
         let dead = NodeOutcome {
             name: "edge-2",
             role: "edge",
-            exit: "signal: 9 (SIGKILL)",
+            lost: Some("killed by SIGKILL outside the chaos plan"),
             undelivered: Some((7, true)),
         };
         let p = problems(&[clean, dead]);

@@ -13,10 +13,10 @@
 //! deterministic for a seed.
 //!
 //! # Pieces
-//! * [`spec`] — [`RelayLinkSpec`]: one direction's parameters, validated with errors naming the
-//!   field.
-//! * [`shaper`] — [`LinkShaper`]: per datagram, [`Verdict::Drop`] with a [`DropReason`] or
-//!   [`Verdict::Deliver`] at a time. No clocks, no I/O.
+//! * [`spec`] and [`shaper`] — re-exported from the shared `link-model` crate (the simulator
+//!   speaks the same vocabulary): [`RelayLinkSpec`], one direction's parameters validated with
+//!   errors naming the field, and [`LinkShaper`], per datagram [`Verdict::Drop`] with a
+//!   [`DropReason`] or [`Verdict::Deliver`] at a time. No clocks, no I/O.
 //! * [`config`] — [`RelayConfig`] and [`load_relay_config`] (TOML).
 //! * [`udp_relay`] — [`spawn_relay`] and [`RelayHandle`]: the tokio shell.
 //! * [`stats`] — [`RelayStats`]: per-direction counters.
