@@ -227,20 +227,13 @@ fn a_safetensors_data_set_trains_and_a_shape_misfit_is_explained() {
                 vec![n, 1, 8, 8]
             }
         };
-        let tx: Vec<u8> = tt
-            .train
-            .features
-            .to_vec()
-            .iter()
-            .map(|&v| (v * 255.0).round() as u8)
-            .collect();
-        let vx: Vec<u8> = tt
-            .test
-            .features
-            .to_vec()
-            .iter()
-            .map(|&v| (v * 255.0).round() as u8)
-            .collect();
+        let as_bytes = |f: &engine::data::Features| -> Vec<u8> {
+            f.to_vec()
+                .iter()
+                .map(|&v| (v * 255.0).round() as u8)
+                .collect()
+        };
+        let (tx, vx) = (as_bytes(&tt.train.features), as_bytes(&tt.test.features));
         let ty: Vec<u8> = tt
             .train
             .labels
