@@ -87,12 +87,28 @@ pub struct TrainArgs {
     /// Worker threads (model replicas) on this node.
     #[arg(long)]
     pub workers: Option<usize>,
-    /// Strategy: ssgd, wfbp, localsgd, dreamddp.
+    /// Strategy: ssgd, wfbp, localsgd, dreamddp, plsgd, diloco, streaming-diloco.
     #[arg(long)]
     pub strategy: Option<String>,
-    /// Period H of localsgd and dreamddp (each layer synced once per H steps).
+    /// Period H of the parameter-averaging strategies (each layer synced once per H steps).
     #[arg(long)]
     pub period: Option<u64>,
+    /// DreamDDP: steps from an average's launch to its landing (1: the paper's algorithm;
+    /// more: rebased onto the progress made meanwhile; at most period - 1).
+    #[arg(long)]
+    pub delay: Option<u64>,
+    /// Streaming DiLoCo: inner steps a fragment's exchange overlaps (τ, below the period).
+    #[arg(long)]
+    pub fragment_delay: Option<u64>,
+    /// DiLoCo / Streaming DiLoCo outer learning rate (default 0.7).
+    #[arg(long)]
+    pub outer_lr: Option<f32>,
+    /// DiLoCo / Streaming DiLoCo outer Nesterov momentum (default 0.9).
+    #[arg(long)]
+    pub outer_momentum: Option<f32>,
+    /// Streaming DiLoCo: weight α of the local values when a fragment lands (default 0.5).
+    #[arg(long)]
+    pub mix: Option<f32>,
     /// DreamDDP schedule: profiled (DFS over measured backward and communication times) or equal.
     #[arg(long)]
     pub schedule: Option<String>,
@@ -131,7 +147,7 @@ pub struct TrainArgs {
     /// Cap on test examples per evaluation (full test set by default).
     #[arg(long)]
     pub eval_limit: Option<usize>,
-    /// Run ssgd, wfbp, localsgd and dreamddp on the same seed and data and compare them.
+    /// Run every strategy (or --strategies) on the same seed and data and compare them.
     #[arg(long)]
     pub compare: bool,
     /// Strategies for --compare (comma-separated).
@@ -172,6 +188,11 @@ pub struct TrainFile {
     workers: Option<usize>,
     strategy: Option<String>,
     period: Option<u64>,
+    delay: Option<u64>,
+    fragment_delay: Option<u64>,
+    outer_lr: Option<f32>,
+    outer_momentum: Option<f32>,
+    mix: Option<f32>,
     schedule: Option<String>,
     bubble_fill: Option<bool>,
     layer_period: Option<String>,
@@ -214,6 +235,11 @@ impl TrainArgs {
             workers,
             strategy,
             period,
+            delay,
+            fragment_delay,
+            outer_lr,
+            outer_momentum,
+            mix,
             schedule,
             layer_period,
             steps,

@@ -14,13 +14,13 @@ use crate::train_cmd::{human_bytes, resolve, train_one, write_json};
 
 /// Runs the comparison.
 pub fn run(args: &TrainArgs) -> Result<()> {
-    let strategies: Vec<Strategy> = args
-        .strategies
-        .as_deref()
-        .unwrap_or("ssgd,wfbp,localsgd,dreamddp")
-        .split(',')
-        .map(|s| s.trim().parse::<Strategy>().map_err(|e| anyhow!("{e}")))
-        .collect::<Result<_>>()?;
+    let strategies: Vec<Strategy> = match args.strategies.as_deref() {
+        None => Strategy::ALL.to_vec(),
+        Some(list) => list
+            .split(',')
+            .map(|s| s.trim().parse::<Strategy>().map_err(|e| anyhow!("{e}")))
+            .collect::<Result<_>>()?,
+    };
     let r = resolve(args)?;
     let out_dir = args.out.clone().unwrap_or_else(|| {
         PathBuf::from(format!(

@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use engine::checkpoint::{self, NamedTensor};
 use engine::optim::OptimizerConfig;
+use engine::outer::OuterConfig;
 use engine::plan::{ScheduleKind, Strategy, SyncPlan};
 use gpu_worker::gpu_probe::{
     self, probe_nccl, select_collective, CollectiveChoice, CollectiveRequest, GpuProbeError,
@@ -32,6 +33,12 @@ pub struct Resolved {
     pub schedule: ScheduleKind,
     pub overrides: Vec<(String, u64)>,
     pub bubble_fill: bool,
+    /// DreamDDP's delay (`--delay`).
+    pub delay: u64,
+    /// Streaming DiLoCo's τ (`--fragment-delay`).
+    pub fragment_delay: u64,
+    /// Outer optimizer of diloco / streaming-diloco.
+    pub outer: OuterConfig,
     /// The step profile measured for `--link auto`, reused by the DreamDDP schedule.
     pub profile: Option<gpu_worker::profile::StepProfile>,
     pub link_spec: String,
@@ -42,6 +49,9 @@ fn data_dir(args: &TrainArgs) -> Option<PathBuf> {
         .clone()
         .or_else(engine::data::locate::shared_datasets_dir)
 }
+
+/// DreamDDP's default `--delay`.
+pub const DEFAULT_DELAY: u64 = 1;
 
 /// Turns flags (and the config file) into a task and a training configuration.
 pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
@@ -140,6 +150,15 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         collective,
     };
     let period = args.period.unwrap_or(4);
+    let defaults = OuterConfig::default();
+    let outer = OuterConfig {
+        lr: args.outer_lr.unwrap_or(defaults.lr),
+        momentum: args.outer_momentum.unwrap_or(defaults.momentum),
+        mix: args.mix.unwrap_or(defaults.mix),
+    };
+    outer
+        .validate()
+        .map_err(|e| anyhow!("bad outer optimizer flag: {e}"))?;
     Ok(Resolved {
         task,
         cfg,
@@ -147,6 +166,9 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         schedule,
         overrides,
         bubble_fill: args.bubble_fill,
+        delay: args.delay.unwrap_or(DEFAULT_DELAY),
+        fragment_delay: args.fragment_delay.unwrap_or(1),
+        outer,
         profile,
         link_spec,
     })
@@ -247,6 +269,11 @@ pub fn plan_for(r: &Resolved, strategy: Strategy) -> Result<SyncPlan> {
         schedule: r.schedule,
         overrides: &r.overrides,
         bubble_filling: r.bubble_fill,
+        delay: match strategy {
+            Strategy::StreamingDiloco => r.fragment_delay,
+            _ => r.delay,
+        },
+        outer: r.outer,
         link: &r.cfg.link,
         workers: r.cfg.workers,
         batch: r.cfg.batch,

@@ -131,8 +131,8 @@ fn config_file_supplies_flags_and_unknown_keys_are_named() {
 fn bad_flags_get_clear_errors() {
     let cases: &[(&[&str], &str)] = &[
         (
-            &["train", "--dataset", "digits", "--strategy", "diloco"],
-            "valid: ssgd, wfbp, localsgd, dreamddp",
+            &["train", "--dataset", "digits", "--strategy", "fedprox"],
+            "valid: ssgd, wfbp, localsgd, dreamddp, plsgd, diloco, streaming-diloco",
         ),
         (
             &["train", "--dataset", "digits", "--period", "9"],

@@ -8,6 +8,7 @@
 //! * [`plan`], [`bucket`], [`schedule`], [`staleness`]: sync plans (strategies, buckets), the
 //!   DreamDDP schedule, and staleness-weighted averaging ([`fused_reduce`]: its single-pass
 //!   streaming kernels for aggregators).
+//! * [`outer`]: how a parameter average lands (replace, rebase, DiLoCo's outer Nesterov step).
 
 pub mod backend;
 pub mod bucket;
@@ -21,6 +22,7 @@ pub mod lr;
 pub mod model;
 pub mod models;
 pub mod optim;
+pub mod outer;
 pub mod plan;
 pub mod replica;
 pub mod schedule;

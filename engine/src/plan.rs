@@ -13,6 +13,17 @@
 //! | `wfbp`     | gradients   | 1                         | `{0}` (every step, bucketed in backward) |
 //! | `localsgd` | parameters  | H, or its override K      | `{p − 1}`: due when `(s + 1) % p == 0`   |
 //! | `dreamddp` | parameters  | H, or its override K      | the schedule's phases (see below)        |
+//! | `plsgd`    | parameters  | H, or its override K      | the equal split of the layers into H groups |
+//! | `diloco`   | parameters  | H, or its override K      | `{p − 1}`, like `localsgd`               |
+//! | `streaming-diloco` | parameters | H, or its override K | the equal split: H staggered fragments |
+//!
+//! `plsgd` is DreamDDP's partial local SGD with the naive equal partition the paper compares its
+//! schedule against (PLSGD): whole layers, contiguous groups in backward order, launched in
+//! backward, no delay. `diloco` and `streaming-diloco` land their averages through the outer
+//! optimizer of [`crate::outer`]; `streaming-diloco` launches a fragment after the step it is
+//! due at and lands it `delay` (τ) steps later. `dreamddp` lands an average `delay` steps after
+//! its launch (1: just before the layer's next optimizer step, the paper's algorithm; more:
+//! rebased onto the progress made meanwhile, see [`crate::outer::Landing::Rebase`]).
 //!
 //! DreamDDP: the [`crate::schedule`] assigns every unit one phase of `0..H` (the profiled DFS
 //! or the equal split), possibly plus extra phases from bubble filling. A unit whose period is
@@ -32,6 +43,7 @@ use thiserror::Error;
 
 use crate::bucket::{make_buckets, Bucket, BucketCaps};
 use crate::model::LayerInfo;
+use crate::outer::{Landing, OuterConfig, OuterConfigError};
 use crate::schedule::{self, DreamSchedule, ModelProfile, ScheduleError};
 
 /// An unknown name given for a [`Strategy`] or a [`ScheduleKind`].
@@ -76,15 +88,26 @@ pub enum Strategy {
     /// DreamDDP: each layer's parameters averaged once per H steps at its scheduled step,
     /// launched in backward the moment its gradient is ready.
     DreamDdp,
+    /// Partial local SGD with the equal partition (the DreamDDP paper's PLSGD baseline).
+    Plsgd,
+    /// DiLoCo: H local steps, then an outer Nesterov step on the averaged pseudo-gradient.
+    Diloco,
+    /// Streaming DiLoCo: H staggered fragments, each an outer step once per H steps, its
+    /// exchange overlapped with `delay` local steps.
+    #[serde(rename = "streaming-diloco")]
+    StreamingDiloco,
 }
 
 impl Strategy {
     /// Every strategy, in the order they are listed to users.
-    pub const ALL: [Strategy; 4] = [
+    pub const ALL: [Strategy; 7] = [
         Strategy::Ssgd,
         Strategy::Wfbp,
         Strategy::LocalSgd,
         Strategy::DreamDdp,
+        Strategy::Plsgd,
+        Strategy::Diloco,
+        Strategy::StreamingDiloco,
     ];
 
     /// The name used on the command line and in files.
@@ -94,18 +117,35 @@ impl Strategy {
             Strategy::Wfbp => "wfbp",
             Strategy::LocalSgd => "localsgd",
             Strategy::DreamDdp => "dreamddp",
+            Strategy::Plsgd => "plsgd",
+            Strategy::Diloco => "diloco",
+            Strategy::StreamingDiloco => "streaming-diloco",
         }
     }
 
     /// True when parameters are averaged (local SGD family); false when gradients are
     /// all-reduced every step.
     pub fn syncs_parameters(self) -> bool {
-        matches!(self, Strategy::LocalSgd | Strategy::DreamDdp)
+        !matches!(self, Strategy::Ssgd | Strategy::Wfbp)
     }
 
     /// True when synchronization is launched during backward rather than after it.
     pub fn overlaps_backward(self) -> bool {
-        matches!(self, Strategy::Wfbp | Strategy::DreamDdp)
+        matches!(self, Strategy::Wfbp | Strategy::DreamDdp | Strategy::Plsgd)
+    }
+
+    /// True when layers are averaged at different steps of the period (a schedule of phases):
+    /// `dreamddp`, `plsgd`, `streaming-diloco`.
+    pub fn is_partial(self) -> bool {
+        matches!(
+            self,
+            Strategy::DreamDdp | Strategy::Plsgd | Strategy::StreamingDiloco
+        )
+    }
+
+    /// True when averages land through the outer optimizer (`diloco`, `streaming-diloco`).
+    pub fn uses_outer_optimizer(self) -> bool {
+        matches!(self, Strategy::Diloco | Strategy::StreamingDiloco)
     }
 }
 
@@ -240,6 +280,21 @@ pub enum PlanError {
     /// The schedule could not be built.
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
+    /// A delay the strategy cannot run.
+    #[error("delay {delay} is not valid for {strategy} with period {period}: {why}")]
+    BadDelay {
+        /// The strategy.
+        strategy: Strategy,
+        /// The delay asked for.
+        delay: u64,
+        /// The period H.
+        period: u64,
+        /// What is allowed.
+        why: &'static str,
+    },
+    /// A bad outer-optimizer setting.
+    #[error(transparent)]
+    Outer(#[from] OuterConfigError),
 }
 
 /// Parses `"embed=32,head=1"` into period overrides.
@@ -279,6 +334,12 @@ pub struct PlanConfig {
     /// default: extra syncs cost bytes, and on a fast link they would sync every layer
     /// every step (the bytes of `ssgd`).
     pub bubble_filling: bool,
+    /// Steps between an average's launch and its landing: `dreamddp` (1 = the paper's
+    /// algorithm, at most H − 1 when H > 1) and `streaming-diloco` (τ, 0 ≤ τ < H). Other
+    /// strategies ignore it.
+    pub delay: u64,
+    /// Outer optimizer of `diloco` / `streaming-diloco`.
+    pub outer: OuterConfig,
 }
 
 impl PlanConfig {
@@ -292,6 +353,8 @@ impl PlanConfig {
             period_overrides: Vec::new(),
             bucket_caps: BucketCaps::default(),
             bubble_filling: false,
+            delay: 1,
+            outer: OuterConfig::default(),
         }
     }
 }
@@ -332,6 +395,8 @@ pub struct SyncPlan {
     unit_of_layer: Vec<Option<usize>>,
     buckets: Vec<Bucket>,
     schedule: Option<DreamSchedule>,
+    delay: u64,
+    outer: OuterConfig,
 }
 
 impl SyncPlan {
@@ -356,7 +421,15 @@ impl SyncPlan {
         let overrides = resolve_overrides(units_forward, config)?;
         let units_backward: Vec<LayerInfo> = units_forward.iter().rev().cloned().collect();
 
-        let schedule = if config.strategy == Strategy::DreamDdp {
+        let delay = checked_delay(config)?;
+        if config.strategy.uses_outer_optimizer() {
+            config.outer.validate()?;
+        }
+        let schedule_kind = match config.strategy {
+            Strategy::DreamDdp => config.schedule,
+            _ => ScheduleKind::Equal,
+        };
+        let schedule = if config.strategy.is_partial() {
             if h > units_forward.len() as u64 {
                 return Err(PlanError::PeriodExceedsUnits {
                     period: h,
@@ -364,7 +437,7 @@ impl SyncPlan {
                     units: units_forward.len(),
                 });
             }
-            Some(match config.schedule {
+            Some(match schedule_kind {
                 ScheduleKind::Equal => schedule::equal_split(units_backward.len(), h)?,
                 ScheduleKind::Profiled => {
                     let profile = profile.ok_or(PlanError::MissingProfile)?;
@@ -391,9 +464,11 @@ impl SyncPlan {
                 let period = overrides[position].unwrap_or(h);
                 let phases = match config.strategy {
                     Strategy::Ssgd | Strategy::Wfbp => vec![0],
-                    Strategy::LocalSgd => vec![period - 1],
-                    Strategy::DreamDdp => {
-                        let s = schedule.as_ref().expect("dreamddp has a schedule");
+                    Strategy::LocalSgd | Strategy::Diloco => vec![period - 1],
+                    Strategy::DreamDdp | Strategy::Plsgd | Strategy::StreamingDiloco => {
+                        let s = schedule
+                            .as_ref()
+                            .expect("a partial strategy has a schedule");
                         let backward_position = units_forward.len() - 1 - position;
                         if period == h {
                             s.phases_of_unit[backward_position].clone()
@@ -446,12 +521,38 @@ impl SyncPlan {
             } else {
                 1
             },
-            schedule_kind: config.schedule,
+            schedule_kind,
             units,
             unit_of_layer,
             buckets,
             schedule,
+            delay,
+            outer: config.outer,
         })
+    }
+
+    /// Steps between an average's launch and its landing (see [`PlanConfig::delay`]): the
+    /// configured delay for `dreamddp` and `streaming-diloco`, 1 for `plsgd`, 0 otherwise
+    /// (the blocking strategies land within the step).
+    pub fn delay(&self) -> u64 {
+        self.delay
+    }
+
+    /// The outer optimizer's settings (used by `diloco` and `streaming-diloco`).
+    pub fn outer(&self) -> &OuterConfig {
+        &self.outer
+    }
+
+    /// How this plan's parameter averages land in a replica.
+    pub fn landing(&self) -> Landing {
+        match self.strategy {
+            Strategy::Diloco => Landing::Outer { mix: 0.0 },
+            Strategy::StreamingDiloco => Landing::Outer {
+                mix: self.outer.mix,
+            },
+            Strategy::DreamDdp if self.delay > 1 => Landing::Rebase,
+            _ => Landing::Replace,
+        }
     }
 
     /// Whether layer `layer_index` (model index) is synchronized at global step `step`
@@ -513,10 +614,12 @@ impl SyncPlan {
     pub fn describe(&self) -> String {
         use std::fmt::Write as _;
         let mut out = String::new();
-        let schedule = if self.strategy == Strategy::DreamDdp {
-            format!(", schedule {}", self.schedule_kind)
-        } else {
-            String::new()
+        let schedule = match self.strategy {
+            Strategy::DreamDdp | Strategy::StreamingDiloco => {
+                format!(", schedule {}, delay {}", self.schedule_kind, self.delay)
+            }
+            Strategy::Plsgd => format!(", schedule {}", self.schedule_kind),
+            _ => String::new(),
         };
         let _ = writeln!(
             out,
@@ -557,6 +660,32 @@ impl SyncPlan {
             );
         }
         out
+    }
+}
+
+/// The delay of `config`'s strategy (see [`PlanConfig::delay`]), validated.
+fn checked_delay(config: &PlanConfig) -> Result<u64, PlanError> {
+    let (h, d) = (config.period, config.delay);
+    let bad = |why| {
+        Err(PlanError::BadDelay {
+            strategy: config.strategy,
+            delay: d,
+            period: h,
+            why,
+        })
+    };
+    match config.strategy {
+        Strategy::DreamDdp if d == 0 => bad("at least 1 (1 lands before the layer's next step)"),
+        Strategy::DreamDdp if d > 1 && d >= h => {
+            bad("at most period - 1, so an average lands before the layer is due again")
+        }
+        Strategy::DreamDdp => Ok(d),
+        Strategy::StreamingDiloco if d >= h => {
+            bad("below the period, so a fragment lands before it is due again")
+        }
+        Strategy::StreamingDiloco => Ok(d),
+        Strategy::Plsgd => Ok(1),
+        _ => Ok(0),
     }
 }
 
@@ -685,10 +814,15 @@ mod tests {
             assert_eq!(ScheduleKind::deserialize(de).unwrap(), k);
         }
         assert_eq!("DreamDDP".parse::<Strategy>().unwrap(), Strategy::DreamDdp);
-        let err = "diloco".parse::<Strategy>().unwrap_err();
+        let err = "fedprox".parse::<Strategy>().unwrap_err();
         assert_eq!(
             err.to_string(),
-            "unknown strategy `diloco`; valid: ssgd, wfbp, localsgd, dreamddp"
+            "unknown strategy `fedprox`; valid: ssgd, wfbp, localsgd, dreamddp, plsgd, diloco, \
+             streaming-diloco"
+        );
+        assert_eq!(
+            "streaming-diloco".parse::<Strategy>().unwrap(),
+            Strategy::StreamingDiloco
         );
         let err = "random".parse::<ScheduleKind>().unwrap_err();
         assert_eq!(

@@ -2,6 +2,7 @@
 //! overrides, and — for DreamDDP's `profiled` schedule — a profile measured on this machine
 //! (backward time per layer) combined with the link model (communication time per layer).
 
+use engine::outer::OuterConfig;
 use engine::plan::{PlanConfig, PlanError, ScheduleKind, Strategy, SyncPlan};
 use engine::schedule::ModelProfile;
 
@@ -26,6 +27,10 @@ pub struct PlanInputs<'a> {
     pub overrides: &'a [(String, u64)],
     /// DreamDDP bubble filling (extra syncs on an idle link).
     pub bubble_filling: bool,
+    /// Steps an average may land after its launch ([`PlanConfig::delay`]).
+    pub delay: u64,
+    /// Outer optimizer of diloco / streaming-diloco.
+    pub outer: OuterConfig,
     /// The link the collective is shaped with.
     pub link: &'a LinkModel,
     /// Worker threads.
@@ -65,6 +70,8 @@ pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanBuildError> {
     cfg.schedule = inp.schedule;
     cfg.period_overrides = inp.overrides.to_vec();
     cfg.bubble_filling = inp.bubble_filling;
+    cfg.delay = inp.delay;
+    cfg.outer = inp.outer;
     let profile = if inp.strategy == Strategy::DreamDdp && inp.schedule == ScheduleKind::Profiled {
         let p = match inp.measured {
             Some(p) => p.clone(),

@@ -20,13 +20,18 @@
 //! | `ssgd` | nothing | stage every gradient, launch one collective, wait, apply, step every layer |
 //! | `wfbp` | stage `l`'s gradient; launch its bucket once the bucket is complete | wait every bucket in launch order, apply, step every layer |
 //! | `localsgd` | step `l` | every H-th step (`(step + 1) % H == 0`): stage every parameter, launch, wait, apply |
-//! | `dreamddp` | if `l`'s bucket has an average launched at an earlier step, wait for it (at the bucket's first layer); apply `l`'s slice; step `l`; if `l` is due, stage its parameters and launch its bucket once the bucket's due layers are staged | nothing: the launch is waited right before the layer's next optimizer step |
+//! | `dreamddp`, `plsgd` | if `l`'s bucket has an average launched `delay` steps ago (or it is due again), wait for it (at the bucket's first layer); apply `l`'s slice; step `l`; if `l` is due, stage its parameters and launch its bucket once the bucket's due layers are staged | nothing: the launch is waited right before the layer's optimizer step `delay` steps later |
+//! | `diloco` | step `l` (at the first step, first set `l`'s outer anchor) | every H-th step: stage every parameter, launch, wait, land through the outer optimizer |
+//! | `streaming-diloco` | step `l` (at the first step, first set `l`'s outer anchor) | land the fragments launched `delay` steps ago (wait, outer step, mix); stage and launch the fragments due at this step (with `delay = 0`, waited and landed at once) |
 //!
+//! Every `Launch` and `Apply` carries the plan's [`Landing`]: how the average is written
+//! ([`engine::outer`]); with [`Landing::Rebase`] the driver keeps a copy of what it sent.
 //! Layers of a collective are in backward order; a collective's buffer is the concatenation
 //! of its layers' parameters (or gradients) in that order, each layer's tensors in order.
 
 use std::collections::VecDeque;
 
+use engine::outer::Landing;
 use engine::plan::{Strategy, SyncPlan};
 use engine::replica::UnitData;
 
@@ -53,7 +58,7 @@ impl SyncKind {
 
 /// One instruction to the driver. Execute them in the order [`WorkerSyncMachine::poll`]
 /// returns them.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum SyncAction {
     /// Append layer `layer`'s gradients or parameters to the buffer of collective `key`.
     Stage {
@@ -72,6 +77,8 @@ pub enum SyncAction {
         layers: Vec<usize>,
         /// What it carries.
         kind: SyncKind,
+        /// How its result will land (keep the sent buffer for [`Landing::Rebase`]).
+        landing: Landing,
     },
     /// Block until collective `key` has completed and keep its result.
     Wait {
@@ -91,9 +98,17 @@ pub enum SyncAction {
         len: usize,
         /// Gradients or parameters.
         kind: SyncKind,
+        /// How the values are written (always [`Landing::Replace`] for gradients).
+        landing: Landing,
     },
     /// Run the optimizer on layer `layer` with its current gradients.
     StepLayer {
+        /// Model layer index.
+        layer: usize,
+    },
+    /// Set layer `layer`'s outer-optimizer anchor to its current values (`diloco`,
+    /// `streaming-diloco`, once, before the layer's first optimizer step).
+    SetAnchor {
         /// Model layer index.
         layer: usize,
     },
@@ -105,7 +120,8 @@ impl SyncAction {
         match self {
             SyncAction::Stage { layer, .. }
             | SyncAction::Apply { layer, .. }
-            | SyncAction::StepLayer { layer } => Some(*layer),
+            | SyncAction::StepLayer { layer }
+            | SyncAction::SetAnchor { layer } => Some(*layer),
             SyncAction::Launch { .. } | SyncAction::Wait { .. } => None,
         }
     }
@@ -117,6 +133,9 @@ struct Launched {
     key: ReduceKey,
     layers: Vec<usize>,
     kind: SyncKind,
+    landing: Landing,
+    /// The step at which it lands (the launch step plus the plan's delay).
+    lands_at: u64,
 }
 
 /// The sync decisions of one worker (see the module doc).
@@ -138,10 +157,12 @@ pub struct WorkerSyncMachine {
     staged: Vec<Vec<usize>>,
     /// Collectives launched this step, waited after backward.
     awaiting: Vec<Launched>,
-    /// dreamddp: per bucket, the average launched at an earlier step.
+    /// dreamddp, plsgd, streaming-diloco: per bucket, the average launched at an earlier step.
     deferred: Vec<Option<Launched>>,
-    /// dreamddp: per layer, the waited collective and offset still to be written.
+    /// dreamddp, plsgd: per layer, the waited collective and offset still to be written.
     landing: Vec<Option<(ReduceKey, usize)>>,
+    /// diloco, streaming-diloco: per layer, whether its outer anchor is set.
+    anchored: Vec<bool>,
     actions: VecDeque<SyncAction>,
 }
 
@@ -172,6 +193,7 @@ impl WorkerSyncMachine {
             awaiting: Vec::new(),
             deferred: vec![None; buckets],
             landing: vec![None; layer_count],
+            anchored: vec![false; layer_count],
             actions: VecDeque::new(),
         }
     }
@@ -195,12 +217,15 @@ impl WorkerSyncMachine {
             self.staged[b].clear();
             self.due_left[b] = match self.strategy {
                 Strategy::Wfbp => bucket.layers.len(),
-                Strategy::DreamDdp => bucket
+                Strategy::DreamDdp | Strategy::Plsgd => bucket
                     .layers
                     .iter()
                     .filter(|&&l| self.plan.is_due(step, l))
                     .count(),
-                Strategy::Ssgd | Strategy::LocalSgd => 0,
+                Strategy::Ssgd
+                | Strategy::LocalSgd
+                | Strategy::Diloco
+                | Strategy::StreamingDiloco => 0,
             };
         }
     }
@@ -212,8 +237,13 @@ impl WorkerSyncMachine {
         let Some(b) = self.bucket_of.get(layer).copied().flatten() else {
             return;
         };
-        if self.strategy == Strategy::DreamDdp {
-            if let Some(f) = self.deferred[b].take() {
+        let in_backward = matches!(self.strategy, Strategy::DreamDdp | Strategy::Plsgd);
+        if in_backward {
+            let lands_now = self.deferred[b]
+                .as_ref()
+                .is_some_and(|f| f.lands_at <= step || self.plan.is_due(step, layer));
+            if lands_now {
+                let f = self.deferred[b].take().expect("checked above");
                 self.actions.push_back(SyncAction::Wait { key: f.key });
                 let mut offset = 0;
                 for &l in &f.layers {
@@ -228,17 +258,22 @@ impl WorkerSyncMachine {
                     offset,
                     len: self.layer_len[layer],
                     kind: SyncKind::Parameters,
+                    landing: self.plan.landing(),
                 });
             }
+        }
+        if self.strategy.uses_outer_optimizer() && !self.anchored[layer] {
+            self.anchored[layer] = true;
+            self.actions.push_back(SyncAction::SetAnchor { layer });
         }
         let due = match self.strategy {
             Strategy::Ssgd => false,
             Strategy::Wfbp => true,
-            Strategy::LocalSgd => {
+            Strategy::LocalSgd | Strategy::Diloco | Strategy::StreamingDiloco => {
                 self.actions.push_back(SyncAction::StepLayer { layer });
                 false
             }
-            Strategy::DreamDdp => {
+            Strategy::DreamDdp | Strategy::Plsgd => {
                 self.actions.push_back(SyncAction::StepLayer { layer });
                 self.plan.is_due(step, layer)
             }
@@ -246,10 +281,10 @@ impl WorkerSyncMachine {
         if !due {
             return;
         }
-        let kind = if self.strategy == Strategy::Wfbp {
-            SyncKind::Gradients
+        let (kind, landing) = if self.strategy == Strategy::Wfbp {
+            (SyncKind::Gradients, Landing::Replace)
         } else {
-            SyncKind::Parameters
+            (SyncKind::Parameters, self.plan.landing())
         };
         let key = ReduceKey::new(step, b as u32);
         self.actions
@@ -263,9 +298,16 @@ impl WorkerSyncMachine {
                 key,
                 layers: layers.clone(),
                 kind,
+                landing,
             });
-            let launched = Launched { key, layers, kind };
-            if self.strategy == Strategy::DreamDdp {
+            let launched = Launched {
+                key,
+                layers,
+                kind,
+                landing,
+                lands_at: step + self.plan.delay(),
+            };
+            if in_backward {
                 self.deferred[b] = Some(launched);
             } else {
                 self.awaiting.push(launched);
@@ -277,29 +319,20 @@ impl WorkerSyncMachine {
     /// steps that follow backward. Ends the step.
     pub fn backward_done(&mut self) {
         let step = self.step.take().expect("backward_done inside a step");
-        let whole_model = match self.strategy {
-            Strategy::Ssgd => Some(SyncKind::Gradients),
-            Strategy::LocalSgd if (step + 1).is_multiple_of(self.plan.period()) => {
-                Some(SyncKind::Parameters)
+        match self.strategy {
+            Strategy::Ssgd => {
+                let layers = self.all_layers.clone();
+                self.launch_blocking(step, 0, layers, SyncKind::Gradients, Landing::Replace);
             }
-            _ => None,
-        };
-        if let Some(kind) = whole_model {
-            let key = ReduceKey::new(step, 0);
-            for &layer in &self.all_layers {
-                self.actions
-                    .push_back(SyncAction::Stage { layer, key, kind });
+            Strategy::LocalSgd | Strategy::Diloco => {
+                let due = self.plan.due_layers(step);
+                if !due.is_empty() {
+                    let landing = self.plan.landing();
+                    self.launch_blocking(step, 0, due, SyncKind::Parameters, landing);
+                }
             }
-            self.actions.push_back(SyncAction::Launch {
-                key,
-                layers: self.all_layers.clone(),
-                kind,
-            });
-            self.awaiting.push(Launched {
-                key,
-                layers: self.all_layers.clone(),
-                kind,
-            });
+            Strategy::StreamingDiloco => self.stream_fragments(step),
+            Strategy::Wfbp | Strategy::DreamDdp | Strategy::Plsgd => {}
         }
         for f in std::mem::take(&mut self.awaiting) {
             self.wait_and_apply(f);
@@ -312,7 +345,94 @@ impl WorkerSyncMachine {
         }
     }
 
-    /// Training has ended: wait for the averages still in flight (dreamddp) and write them.
+    /// Stages `layers` (backward order) into collective `(step, bucket)`, launches it and
+    /// queues it to be waited at the end of this step.
+    fn launch_blocking(
+        &mut self,
+        step: u64,
+        bucket: u32,
+        layers: Vec<usize>,
+        kind: SyncKind,
+        landing: Landing,
+    ) {
+        let key = ReduceKey::new(step, bucket);
+        for &layer in &layers {
+            self.actions
+                .push_back(SyncAction::Stage { layer, key, kind });
+        }
+        self.actions.push_back(SyncAction::Launch {
+            key,
+            layers: layers.clone(),
+            kind,
+            landing,
+        });
+        self.awaiting.push(Launched {
+            key,
+            layers,
+            kind,
+            landing,
+            lands_at: step,
+        });
+    }
+
+    /// streaming-diloco after backward of `step`: land the fragments whose delay has passed
+    /// (or that are due again), then launch the fragments due at `step`.
+    fn stream_fragments(&mut self, step: u64) {
+        let landing = self.plan.landing();
+        for b in 0..self.deferred.len() {
+            let due = self.plan.buckets()[b]
+                .layers
+                .iter()
+                .any(|&l| self.plan.is_due(step, l));
+            if self.deferred[b]
+                .as_ref()
+                .is_some_and(|f| f.lands_at <= step || due)
+            {
+                let f = self.deferred[b].take().expect("checked above");
+                self.wait_and_apply(f);
+            }
+        }
+        for b in 0..self.deferred.len() {
+            let layers: Vec<usize> = self.plan.buckets()[b]
+                .layers
+                .iter()
+                .copied()
+                .filter(|&l| self.plan.is_due(step, l))
+                .collect();
+            if layers.is_empty() {
+                continue;
+            }
+            let key = ReduceKey::new(step, b as u32);
+            for &layer in &layers {
+                self.actions.push_back(SyncAction::Stage {
+                    layer,
+                    key,
+                    kind: SyncKind::Parameters,
+                });
+            }
+            self.actions.push_back(SyncAction::Launch {
+                key,
+                layers: layers.clone(),
+                kind: SyncKind::Parameters,
+                landing,
+            });
+            let launched = Launched {
+                key,
+                layers,
+                kind: SyncKind::Parameters,
+                landing,
+                lands_at: step + self.plan.delay(),
+            };
+            if self.plan.delay() == 0 {
+                self.wait_and_apply(launched);
+            } else {
+                self.deferred[b] = Some(launched);
+            }
+        }
+    }
+
+    /// Training has ended: wait for the averages still in flight (dreamddp, plsgd,
+    /// streaming-diloco) and write them.
     pub fn finish(&mut self) {
         assert!(self.step.is_none(), "finish inside a step");
         for b in 0..self.deferred.len() {
@@ -342,6 +462,7 @@ impl WorkerSyncMachine {
                 offset,
                 len,
                 kind: f.kind,
+                landing: f.landing,
             });
             offset += len;
         }

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use engine::bucket::BucketCaps;
 use engine::model::LayerInfo;
+use engine::outer::Landing;
 use engine::plan::{PlanConfig, ScheduleKind, Strategy};
 use proptest::prelude::*;
 
@@ -26,7 +27,18 @@ fn infos(params: &[usize]) -> Vec<LayerInfo> {
 }
 
 fn plan(strategy: Strategy, period: u64, params: &[usize], one_per_bucket: bool) -> SyncPlan {
+    plan_with_delay(strategy, period, params, one_per_bucket, 1)
+}
+
+fn plan_with_delay(
+    strategy: Strategy,
+    period: u64,
+    params: &[usize],
+    one_per_bucket: bool,
+    delay: u64,
+) -> SyncPlan {
     let mut config = PlanConfig::new(strategy, period);
+    config.delay = delay;
     config.schedule = ScheduleKind::Equal;
     if one_per_bucket {
         config.bucket_caps = BucketCaps {
@@ -79,6 +91,7 @@ fn ssgd_reduces_every_gradient_after_backward_then_steps() {
         key: k,
         layers: all.clone(),
         kind: Gradients,
+        landing: Landing::Replace,
     });
     want.push(Wait { key: k });
     let mut offset = 0;
@@ -89,6 +102,7 @@ fn ssgd_reduces_every_gradient_after_backward_then_steps() {
             offset,
             len,
             kind: Gradients,
+            landing: Landing::Replace,
         });
         offset += len;
     }
@@ -112,7 +126,8 @@ fn wfbp_launches_each_bucket_in_backward_and_waits_before_stepping() {
             Launch {
                 key: key(0, 0),
                 layers: vec![4],
-                kind: Gradients
+                kind: Gradients,
+                landing: Landing::Replace,
             }
         ]
     );
@@ -145,7 +160,8 @@ fn localsgd_steps_in_backward_and_averages_every_period() {
         Launch {
             key: key(1, 0),
             layers: vec![4, 3, 1, 0],
-            kind: Parameters
+            kind: Parameters,
+            landing: Landing::Replace,
         }
     );
     assert_eq!(second[6][5], Wait { key: key(1, 0) });
@@ -171,7 +187,8 @@ fn dreamddp_waits_at_the_layers_next_step_and_writes_before_stepping() {
             Launch {
                 key: key(0, 0),
                 layers: vec![4, 3],
-                kind: Parameters
+                kind: Parameters,
+                landing: Landing::Replace,
             }
         ]
     );
@@ -188,7 +205,8 @@ fn dreamddp_waits_at_the_layers_next_step_and_writes_before_stepping() {
                 layer: 4,
                 offset: 0,
                 len: 5,
-                kind: Parameters
+                kind: Parameters,
+                landing: Landing::Replace,
             },
             StepLayer { layer: 4 }
         ]
@@ -200,7 +218,8 @@ fn dreamddp_waits_at_the_layers_next_step_and_writes_before_stepping() {
             layer: 3,
             offset: 5,
             len: 4,
-            kind: Parameters
+            kind: Parameters,
+            landing: Landing::Replace,
         }
     );
     assert_eq!(m.in_flight(), vec![key(1, 1)]);
@@ -218,6 +237,7 @@ struct Checker {
     staged: BTreeMap<ReduceKey, Vec<usize>>,
     stepped: Vec<usize>,
     applied: BTreeMap<usize, u64>,
+    anchored: BTreeSet<usize>,
 }
 
 impl Checker {
@@ -228,7 +248,9 @@ impl Checker {
             }
             match a {
                 Stage { layer, key, .. } => self.staged.entry(key).or_default().push(layer),
-                Launch { key, layers, kind } => {
+                Launch {
+                    key, layers, kind, ..
+                } => {
                     assert_eq!(self.staged.remove(&key), Some(layers.clone()));
                     assert!(self.launched.insert(key, (layers, kind)).is_none());
                 }
@@ -252,6 +274,10 @@ impl Checker {
                     *self.applied.entry(layer).or_default() += 1;
                 }
                 StepLayer { layer } => self.stepped.push(layer),
+                SyncAction::SetAnchor { layer } => {
+                    assert!(self.anchored.insert(layer), "layer {layer} anchored twice");
+                    assert!(!self.stepped.contains(&layer), "anchored after its step");
+                }
             }
         }
     }
@@ -265,8 +291,15 @@ proptest! {
         period in 1u64..=4,
         steps in 1u64..12,
         one_per_bucket in any::<bool>(),
+        delay_pick in 0u64..4,
     ) {
-        let p = plan(strategy, period, &params, one_per_bucket);
+        // A delay the strategy accepts: dreamddp 1..=max(1, H - 1), streaming-diloco 0..H.
+        let delay = match strategy {
+            Strategy::DreamDdp => 1 + delay_pick % period.saturating_sub(1).max(1),
+            Strategy::StreamingDiloco => delay_pick % period,
+            _ => 1,
+        };
+        let p = plan_with_delay(strategy, period, &params, one_per_bucket, delay);
         let mut len = vec![0; 5];
         for u in p.units() {
             len[u.index] = u.params;
@@ -284,7 +317,10 @@ proptest! {
             m.backward_done();
             c.run(&mut m, None, &len);
             prop_assert_eq!(&c.stepped, &vec![4, 3, 1, 0], "step {}", s);
-            if strategy != Strategy::DreamDdp {
+            if !matches!(
+                strategy,
+                Strategy::DreamDdp | Strategy::Plsgd | Strategy::StreamingDiloco
+            ) {
                 prop_assert!(m.in_flight().is_empty());
             }
         }
@@ -296,10 +332,147 @@ proptest! {
         for u in p.units() {
             let expected = match strategy {
                 Strategy::Ssgd | Strategy::Wfbp => steps,
-                Strategy::LocalSgd => steps / period,
-                Strategy::DreamDdp => (0..steps).filter(|&s| p.is_due(s, u.index)).count() as u64,
+                Strategy::LocalSgd | Strategy::Diloco => steps / period,
+                Strategy::DreamDdp | Strategy::Plsgd | Strategy::StreamingDiloco => {
+                    (0..steps).filter(|&s| p.is_due(s, u.index)).count() as u64
+                }
             };
             prop_assert_eq!(c.applied.get(&u.index).copied().unwrap_or(0), expected);
+            prop_assert_eq!(
+                c.anchored.contains(&u.index),
+                strategy.uses_outer_optimizer(),
+                "anchors exactly for the outer strategies"
+            );
         }
     }
+}
+
+/// The actions of `actions` that are not optimizer steps or stages, for compact asserts.
+fn syncs(actions: &[SyncAction]) -> Vec<SyncAction> {
+    actions
+        .iter()
+        .filter(|a| matches!(a, Launch { .. } | Wait { .. } | Apply { .. }))
+        .cloned()
+        .collect()
+}
+
+#[test]
+fn diloco_anchors_first_then_lands_every_period_through_the_outer_step() {
+    let p = plan(Strategy::Diloco, 2, &[2, 3, 4, 5], false);
+    let mut m = WorkerSyncMachine::new(&p);
+    let s0 = step(&mut m, 0);
+    assert_eq!(
+        s0[1],
+        vec![SyncAction::SetAnchor { layer: 4 }, StepLayer { layer: 4 }]
+    );
+    assert!(s0[6].is_empty(), "nothing synced before the period ends");
+    let s1 = step(&mut m, 1);
+    assert!(s1[1..6]
+        .iter()
+        .flatten()
+        .all(|a| matches!(a, StepLayer { .. })));
+    let after = syncs(&s1[6]);
+    let outer = Landing::Outer { mix: 0.0 };
+    assert_eq!(
+        after[0],
+        Launch {
+            key: key(1, 0),
+            layers: vec![4, 3, 1, 0],
+            kind: Parameters,
+            landing: outer,
+        }
+    );
+    assert_eq!(after[1], Wait { key: key(1, 0) });
+    assert_eq!(after.len(), 2 + 4);
+    assert!(after[2..]
+        .iter()
+        .all(|a| matches!(a, Apply { landing, .. } if *landing == outer)));
+}
+
+#[test]
+fn streaming_diloco_launches_a_fragment_after_its_step_and_lands_it_tau_steps_later() {
+    // Equal split, H = 2: fragment {4, 3} at phase 0, {1, 0} at phase 1; τ = 1.
+    let p = plan_with_delay(Strategy::StreamingDiloco, 2, &[2, 3, 4, 5], false, 1);
+    let mix = Landing::Outer { mix: 0.5 };
+    let mut m = WorkerSyncMachine::new(&p);
+    let s0 = step(&mut m, 0);
+    assert!(syncs(&s0[1..6].concat()).is_empty(), "nothing in backward");
+    assert_eq!(
+        syncs(&s0[6]),
+        vec![Launch {
+            key: key(0, 0),
+            layers: vec![4, 3],
+            kind: Parameters,
+            landing: mix,
+        }]
+    );
+    let s1 = step(&mut m, 1);
+    let after = syncs(&s1[6]);
+    assert_eq!(after[0], Wait { key: key(0, 0) });
+    assert!(matches!(after[1], Apply { layer: 4, landing, .. } if landing == mix));
+    assert!(matches!(after[2], Apply { layer: 3, .. }));
+    assert!(
+        matches!(&after[3], Launch { key: k, layers, .. } if *k == key(1, 1) && layers == &vec![1, 0])
+    );
+    assert_eq!(m.in_flight(), vec![key(1, 1)]);
+
+    // τ = 0: each fragment is waited and landed in the step it is due.
+    let p0 = plan_with_delay(Strategy::StreamingDiloco, 2, &[2, 3, 4, 5], false, 0);
+    let mut m0 = WorkerSyncMachine::new(&p0);
+    let s = step(&mut m0, 0);
+    assert_eq!(syncs(&s[6]).len(), 1 + 1 + 2);
+    assert!(m0.in_flight().is_empty());
+}
+
+#[test]
+fn dreamddp_with_a_delay_lands_later_and_rebases() {
+    // H = 4, delay 2: bucket {4} (phase 0) launched at step 0 lands in step 2's backward.
+    let p = plan_with_delay(Strategy::DreamDdp, 4, &[2, 3, 4, 5], true, 2);
+    assert_eq!(p.landing(), Landing::Rebase);
+    let mut m = WorkerSyncMachine::new(&p);
+    let s0 = step(&mut m, 0);
+    assert!(matches!(
+        syncs(&s0[1])[..],
+        [Launch {
+            landing: Landing::Rebase,
+            ..
+        }]
+    ));
+    let s1 = step(&mut m, 1);
+    assert!(
+        !s1.concat()
+            .iter()
+            .any(|a| matches!(a, Wait { key: k } if *k == key(0, 0))),
+        "not landed one step later"
+    );
+    let s2 = step(&mut m, 2);
+    assert_eq!(
+        syncs(&s2[1]),
+        vec![
+            Wait { key: key(0, 0) },
+            Apply {
+                key: key(0, 0),
+                layer: 4,
+                offset: 0,
+                len: 5,
+                kind: Parameters,
+                landing: Landing::Rebase,
+            }
+        ]
+    );
+    // The landing precedes the layer's step.
+    assert_eq!(s2[1].last(), Some(&StepLayer { layer: 4 }));
+}
+
+#[test]
+fn plsgd_is_the_equal_split_without_delay_whatever_the_config_says() {
+    let mut config = PlanConfig::new(Strategy::Plsgd, 2);
+    config.schedule = ScheduleKind::Profiled; // needs no profile: plsgd ignores it
+    config.delay = 3;
+    let p = SyncPlan::new("test", &infos(&[2, 3, 4, 5]), &config, None).expect("plan");
+    let equal = plan(Strategy::DreamDdp, 2, &[2, 3, 4, 5], false);
+    for (a, b) in p.units().iter().zip(equal.units()) {
+        assert_eq!(a.phases, b.phases);
+    }
+    assert_eq!((p.delay(), p.landing()), (1, Landing::Replace));
 }

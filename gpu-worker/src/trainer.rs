@@ -12,14 +12,18 @@
 //! | `ssgd` | nothing | all-reduce all gradients (one bucket), wait, step every layer |
 //! | `wfbp` | when a gradient bucket is complete, launch its all-reduce | wait each bucket, step |
 //! | `localsgd` | step the layer locally | every H-th step: all-reduce all parameters, wait |
-//! | `dreamddp` | first land the bucket's average launched at an earlier step (wait on its handle, write it), then step the layer; if due, launch its bucket's parameter all-reduce as soon as the bucket is complete | nothing: the handle is waited right before the layer's next optimizer step |
+//! | `dreamddp`, `plsgd` | first land the bucket's average launched `delay` steps earlier (wait on its handle, write it), then step the layer; if due, launch its bucket's parameter all-reduce as soon as the bucket is complete | nothing: the handle is waited right before the layer's optimizer step `delay` steps later |
+//! | `diloco` | step the layer locally | every H-th step: all-reduce all parameters, wait, outer Nesterov step |
+//! | `streaming-diloco` | step the layer locally | land the fragments launched `delay` steps ago (outer step, mix); launch the fragments due now |
 //!
 //! DreamDDP's wait is deferred to the layer's next optimizer step (DESIGN.md: "waited
 //! before that layer's optimizer step"), so a layer's communication overlaps the rest of
 //! this backward, the next forward and the next backward down to that layer. Nothing touches
 //! the layer in between, so writing the average is exactly the asynchrony rule
 //! θ ← θ_global + (θ_now − θ_at_cut) with θ_now = θ_at_cut; the next forward reads the
-//! replica's own (one step stale) values of that layer.
+//! replica's own (one step stale) values of that layer. With a delay of more than one step
+//! the layer has moved on meanwhile, and the average is rebased onto that progress
+//! ([`engine::outer::rebase`], with the copy of what this worker sent).
 //!
 //! Evaluation pauses every worker at a barrier; its time is excluded from step times.
 
@@ -31,6 +35,7 @@ use engine::checkpoint::NamedTensor;
 use engine::data::sampler::ShardedSampler;
 use engine::lr::LrSchedule;
 use engine::optim::OptimizerConfig;
+use engine::outer::{self, Landing, OuterState};
 use engine::plan::{Strategy, SyncPlan};
 use engine::replica::{ModelReplica, ReplicaError, UnitMut};
 use rand::SeedableRng;
@@ -298,7 +303,7 @@ pub fn train(
     let inv = 1.0 / results.len() as f32;
     avg.iter_mut().for_each(|a| *a *= inv);
     let mut bytes_sent: u64 = (0..cfg.workers).map(|r| collective.bytes_sent(r)).sum();
-    let replicas_differ = matches!(cfg.strategy, Strategy::LocalSgd | Strategy::DreamDdp)
+    let replicas_differ = cfg.strategy.syncs_parameters()
         && results
             .iter()
             .any(|r| r.final_params != results[0].final_params);
@@ -358,6 +363,12 @@ struct SyncExecutor<'a> {
     staging: BTreeMap<ReduceKey, Vec<f32>>,
     in_flight: BTreeMap<ReduceKey, InFlight>,
     landed: BTreeMap<ReduceKey, Landed>,
+    /// What this worker sent, kept for a [`Landing::Rebase`].
+    cuts: BTreeMap<ReduceKey, Vec<f32>>,
+    /// Outer optimizer of diloco / streaming-diloco.
+    outer: OuterState,
+    /// Scratch for the current values of a unit.
+    scratch: Vec<f32>,
     syncs: BTreeMap<String, u64>,
 }
 
@@ -375,8 +386,16 @@ impl SyncExecutor<'_> {
                 let buf = self.staging.entry(key).or_default();
                 unit.append_to(kind.unit_data(), buf);
             }
-            SyncAction::Launch { key, layers, .. } => {
+            SyncAction::Launch {
+                key,
+                layers,
+                landing,
+                ..
+            } => {
                 let buf = self.staging.remove(&key).unwrap_or_default();
+                if landing.needs_cut() {
+                    self.cuts.insert(key, buf.clone());
+                }
                 let launched = Instant::now();
                 let handle = self.collective.all_reduce_mean(self.rank, key, buf)?;
                 self.in_flight.insert(
@@ -413,16 +432,35 @@ impl SyncExecutor<'_> {
                 offset,
                 len,
                 kind,
+                landing,
             } => {
                 let unit = unit.expect("an applied layer");
                 let landed = self
                     .landed
                     .get_mut(&key)
                     .expect("the machine applies only waited collectives");
-                unit.write_from(kind.unit_data(), &landed.values[offset..offset + len]);
+                let average = &landed.values[offset..offset + len];
+                match landing {
+                    Landing::Replace => unit.write_from(kind.unit_data(), average),
+                    Landing::Rebase => {
+                        let cut = &self.cuts.get(&key).expect("a rebase keeps its cut")
+                            [offset..offset + len];
+                        self.scratch.clear();
+                        unit.append_to(kind.unit_data(), &mut self.scratch);
+                        outer::rebase(average, cut, &mut self.scratch);
+                        unit.write_from(kind.unit_data(), &self.scratch);
+                    }
+                    Landing::Outer { mix } => {
+                        self.scratch.clear();
+                        unit.append_to(kind.unit_data(), &mut self.scratch);
+                        self.outer.land(index, average, &mut self.scratch, mix);
+                        unit.write_from(kind.unit_data(), &self.scratch);
+                    }
+                }
                 landed.slices_left -= 1;
                 if landed.slices_left == 0 {
                     self.landed.remove(&key);
+                    self.cuts.remove(&key);
                 }
                 if self.rank == 0 {
                     *self
@@ -433,6 +471,12 @@ impl SyncExecutor<'_> {
             }
             SyncAction::StepLayer { .. } => {
                 unit.expect("a stepped layer").step(lr);
+            }
+            SyncAction::SetAnchor { layer } => {
+                self.scratch.clear();
+                unit.expect("an anchored layer")
+                    .append_to(engine::replica::UnitData::Values, &mut self.scratch);
+                self.outer.set_anchor(layer, &self.scratch);
             }
         }
         Ok(())
@@ -497,6 +541,12 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         staging: BTreeMap::new(),
         in_flight: BTreeMap::new(),
         landed: BTreeMap::new(),
+        cuts: BTreeMap::new(),
+        outer: OuterState::new(
+            sh.plan.outer(),
+            infos.iter().map(|i| i.index + 1).max().unwrap_or(0),
+        ),
+        scratch: Vec::new(),
         syncs: infos.iter().map(|i| (i.name.clone(), 0)).collect(),
     };
     let mut train_seconds = 0.0f64;

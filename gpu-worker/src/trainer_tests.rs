@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use engine::data::digits::load_digits_embedded;
 use engine::optim::OptimizerConfig;
+use engine::outer::OuterConfig;
 use engine::plan::{ScheduleKind, Strategy};
 
 use super::*;
@@ -43,6 +44,17 @@ fn config(strategy: Strategy, steps: u64) -> TrainConfig {
 }
 
 fn run(task: &Task, cfg: &TrainConfig, period: u64, schedule: ScheduleKind) -> RunReport {
+    run_with(task, cfg, period, schedule, 1, OuterConfig::default())
+}
+
+fn run_with(
+    task: &Task,
+    cfg: &TrainConfig,
+    period: u64,
+    schedule: ScheduleKind,
+    delay: u64,
+    outer: OuterConfig,
+) -> RunReport {
     let plan = build_plan(&PlanInputs {
         task,
         strategy: cfg.strategy,
@@ -50,6 +62,8 @@ fn run(task: &Task, cfg: &TrainConfig, period: u64, schedule: ScheduleKind) -> R
         schedule,
         overrides: &[],
         bubble_filling: false,
+        delay,
+        outer,
         link: &cfg.link,
         workers: cfg.workers,
         batch: cfg.batch,
@@ -64,13 +78,21 @@ fn run(task: &Task, cfg: &TrainConfig, period: u64, schedule: ScheduleKind) -> R
 #[test]
 fn every_strategy_learns_digits() {
     let task = digits_task(ModelKind::Mlp);
-    for strategy in [
-        Strategy::Ssgd,
-        Strategy::Wfbp,
-        Strategy::LocalSgd,
-        Strategy::DreamDdp,
-    ] {
-        let report = run(&task, &config(strategy, 300), 4, ScheduleKind::Equal);
+    // DiLoCo's published outer momentum (0.9, tuned for H = 500 inner steps) diverges at H = 4
+    // on this task; 0.5 is the setting docs/strategies.md measures it with.
+    let outer = OuterConfig {
+        momentum: 0.5,
+        ..OuterConfig::default()
+    };
+    for strategy in Strategy::ALL {
+        let report = run_with(
+            &task,
+            &config(strategy, 300),
+            4,
+            ScheduleKind::Equal,
+            1,
+            outer,
+        );
         let acc = report.test_accuracy.expect("classification");
         assert!(acc > 0.9, "{strategy}: test accuracy {acc}");
         assert_eq!(report.strategy, strategy.to_string());
@@ -187,6 +209,8 @@ fn bad_configs_are_errors_not_panics() {
         schedule: ScheduleKind::Equal,
         overrides: &[],
         bubble_filling: false,
+        delay: 1,
+        outer: OuterConfig::default(),
         link: &cfg.link,
         workers: 1,
         batch: 16,
@@ -208,6 +232,8 @@ fn bad_configs_are_errors_not_panics() {
         schedule: ScheduleKind::Equal,
         overrides: &[],
         bubble_filling: false,
+        delay: 1,
+        outer: OuterConfig::default(),
         link: &cfg.link,
         workers: 2,
         batch: 16,
@@ -232,6 +258,8 @@ fn the_nccl_choice_is_refused_not_run_on_the_cpu() {
         schedule: ScheduleKind::Equal,
         overrides: &[],
         bubble_filling: false,
+        delay: 1,
+        outer: OuterConfig::default(),
         link: &cfg.link,
         workers: cfg.workers,
         batch: cfg.batch,
@@ -246,4 +274,64 @@ fn the_nccl_choice_is_refused_not_run_on_the_cpu() {
             .contains("NCCL collective is not implemented"),
         "{err}"
     );
+}
+
+#[test]
+fn diloco_with_outer_lr_one_and_no_momentum_is_local_sgd() {
+    // The outer step `anchor − 1·(anchor − average)` is the average: if the outer landing
+    // were skipped or wrong, the two runs would part.
+    let task = digits_task(ModelKind::Mlp);
+    let plain = OuterConfig {
+        lr: 1.0,
+        momentum: 0.0,
+        mix: 0.0,
+    };
+    let local = run(
+        &task,
+        &config(Strategy::LocalSgd, 40),
+        4,
+        ScheduleKind::Equal,
+    );
+    let diloco = run_with(
+        &task,
+        &config(Strategy::Diloco, 40),
+        4,
+        ScheduleKind::Equal,
+        1,
+        plain,
+    );
+    assert!(
+        (local.val_loss - diloco.val_loss).abs() < 1e-4,
+        "{} vs {}",
+        local.val_loss,
+        diloco.val_loss
+    );
+    let nesterov = run(&task, &config(Strategy::Diloco, 40), 4, ScheduleKind::Equal);
+    assert!(
+        (nesterov.val_loss - local.val_loss).abs() > 1e-4,
+        "the default outer optimizer changes the model"
+    );
+}
+
+#[test]
+fn dreamddp_with_a_delay_keeps_learning_and_differs_from_no_delay() {
+    let task = digits_task(ModelKind::Mlp);
+    let d1 = run(
+        &task,
+        &config(Strategy::DreamDdp, 200),
+        4,
+        ScheduleKind::Equal,
+    );
+    let d3 = run_with(
+        &task,
+        &config(Strategy::DreamDdp, 200),
+        4,
+        ScheduleKind::Equal,
+        3,
+        OuterConfig::default(),
+    );
+    let acc = d3.test_accuracy.expect("classification");
+    assert!(acc > 0.9, "delay 3: accuracy {acc}");
+    assert!((d1.val_loss - d3.val_loss).abs() > 1e-6);
+    assert_eq!(d1.per_layer_syncs, d3.per_layer_syncs);
 }

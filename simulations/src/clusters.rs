@@ -15,6 +15,9 @@
 //! intra_latency_us = 5             # per ring step inside a cluster (default 5)
 //! schedule = "profiled"            # dreamddp schedule: "profiled" (default) or "equal"
 //! bubble_filling = false           # dreamddp: extra syncs where the link would idle
+//! delay = 1                        # dreamddp: steps from an average's launch to its landing
+//! fragment_delay = 1               # streaming-diloco: inner steps an exchange overlaps (τ)
+//! outer = { lr = 0.7, momentum = 0.9, mix = 0.5 }   # diloco / streaming-diloco
 //! stop_at_target = false           # stop a strategy once the target is reached
 //! groups = [
 //!   { name = "dc", count = 2, workers = 4, device = "a100", slowdown = 1.0, jitter = 0.05 },
@@ -57,7 +60,10 @@
 //! | `ssgd` | average gradients, step | after backward: one inter all-reduce of every gradient, waited before the steps |
 //! | `wfbp` | average gradients, step | each DDP bucket's inter all-reduce launched in backward when its gradients are reduced in every cluster; all waited before the steps |
 //! | `localsgd` | local steps; every H steps average all parameters | clusters run free; every H-th step a blocking inter all-reduce of all parameters |
-//! | `dreamddp` | local steps; each bucket's parameters averaged at its scheduled step, the average written just before the layer's next optimizer step | a due bucket's all-reduce starts when every cluster has stepped its layers; a cluster waits for it at the bucket's first layer in the next backward (the wait blocks the rest of that backward, as the trainer's hook does) |
+//! | `dreamddp` | local steps; each bucket's parameters averaged at its scheduled step, the average written just before the layer's optimizer step `delay` steps later (rebased when `delay > 1`) | a due bucket's all-reduce starts when every cluster has stepped its layers; a cluster waits for it at the bucket's first layer in the backward `delay` steps later (the wait blocks the rest of that backward, as the trainer's hook does) |
+//! | `plsgd` | `dreamddp` with the equal split and a delay of 1 | as `dreamddp` |
+//! | `diloco` | local steps; every H steps an outer Nesterov step on the averaged parameters | as `localsgd` |
+//! | `streaming-diloco` | H staggered fragments; a fragment due at a step is averaged after it and lands `fragment_delay` steps later through the outer step, mixed with the local values | the all-reduce starts after the step; the cluster waits for it after the step it lands at |
 //!
 //! DreamDDP's plan is [`SyncPlan`](engine::plan::SyncPlan) with the profiled schedule built from this simulation's own
 //! virtual per-layer backward times (slowest cluster) and inter-cluster communication times
@@ -86,6 +92,7 @@ mod sim;
 
 use std::collections::BTreeMap;
 
+use engine::outer::OuterConfig;
 use engine::plan::{ScheduleKind, Strategy};
 use serde::Deserialize;
 use thiserror::Error;
@@ -102,7 +109,15 @@ pub use fabric::{CollectiveSpan, Fabric, IntraNet, MAX_ATTEMPTS};
 pub const TIMELINE_CAP: usize = 2000;
 
 /// The strategies this simulation runs.
-pub const STRATEGIES: &[&str] = &["ssgd", "wfbp", "localsgd", "dreamddp"];
+pub const STRATEGIES: &[&str] = &[
+    "ssgd",
+    "wfbp",
+    "localsgd",
+    "dreamddp",
+    "plsgd",
+    "diloco",
+    "streaming-diloco",
+];
 
 /// The `[clusters]` table (see the module doc).
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -124,6 +139,15 @@ pub struct ClustersSpec {
     /// DreamDDP bubble filling (extra syncs where the link would idle).
     #[serde(default)]
     pub bubble_filling: bool,
+    /// DreamDDP: steps between an average's launch and its landing (1: the paper's algorithm).
+    #[serde(default = "one_u64")]
+    pub delay: u64,
+    /// Streaming DiLoCo: inner steps a fragment's exchange overlaps (τ).
+    #[serde(default = "one_u64")]
+    pub fragment_delay: u64,
+    /// DiLoCo / Streaming DiLoCo outer optimizer (`{ lr = 0.7, momentum = 0.9, mix = 0.5 }`).
+    #[serde(default)]
+    pub outer: OuterConfig,
     /// Stop each strategy as soon as the target is reached.
     #[serde(default)]
     pub stop_at_target: bool,
@@ -162,6 +186,9 @@ fn default_intra_latency_us() -> f64 {
     5.0
 }
 fn one_usize() -> usize {
+    1
+}
+fn one_u64() -> u64 {
     1
 }
 fn one_f64() -> f64 {

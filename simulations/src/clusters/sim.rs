@@ -42,6 +42,7 @@ use engine::bucket::Bucket;
 use engine::lr::LrSchedule;
 use engine::model::Model;
 use engine::optim::OptimizerConfig;
+use engine::outer::{self, Landing, OuterState};
 use engine::plan::{PlanConfig, Strategy, SyncPlan};
 use engine::schedule::{LayerProfile, ModelProfile};
 use gpu_worker::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
@@ -86,6 +87,12 @@ struct ClusterState {
     stepped_at: Vec<SimTime>,
     /// Buffers staged for collectives not yet launched.
     staging: BTreeMap<ReduceKey, Vec<f32>>,
+    /// What the cluster sent, kept for a [`Landing::Rebase`].
+    cuts: BTreeMap<ReduceKey, Vec<f32>>,
+    /// Outer optimizer of diloco / streaming-diloco.
+    outer: OuterState,
+    /// Scratch for a layer's current values.
+    scratch: Vec<f32>,
     /// The `Wait` the cluster is stopped at.
     blocked: Option<SyncAction>,
 }
@@ -246,6 +253,11 @@ impl<'a> Simulation<'a> {
         let mut config = PlanConfig::new(strategy, scenario.period);
         config.schedule = spec.schedule;
         config.bubble_filling = spec.bubble_filling;
+        config.delay = match strategy {
+            Strategy::StreamingDiloco => spec.fragment_delay,
+            _ => spec.delay,
+        };
+        config.outer = spec.outer;
         let profile = if strategy == Strategy::DreamDdp {
             Some(profile_of(
                 &clusters,
@@ -270,7 +282,11 @@ impl<'a> Simulation<'a> {
                 layers: infos.iter().rev().map(|i| i.index).collect(),
                 params: infos.iter().map(|i| i.params).sum(),
             }],
-            Strategy::LocalSgd | Strategy::DreamDdp => infos
+            Strategy::LocalSgd
+            | Strategy::DreamDdp
+            | Strategy::Plsgd
+            | Strategy::Diloco
+            | Strategy::StreamingDiloco => infos
                 .iter()
                 .rev()
                 .enumerate()
@@ -313,6 +329,9 @@ impl<'a> Simulation<'a> {
                     grad_avail: vec![SimTime::ZERO; layer_count],
                     stepped_at: vec![SimTime::ZERO; layer_count],
                     staging: BTreeMap::new(),
+                    cuts: BTreeMap::new(),
+                    outer: OuterState::new(plan.outer(), layer_count),
+                    scratch: Vec::new(),
                     blocked: None,
                 },
             )
@@ -595,9 +614,9 @@ impl<'a> Simulation<'a> {
     }
 
     fn record_sync(&mut self, r: &Resolved) {
-        // A parameter average lands at the layer's next optimizer step for dreamddp (one
-        // step stale); every other collective is waited within its step.
-        let staleness = u64::from(self.strategy == Strategy::DreamDdp);
+        // A parameter average lands `delay` optimizer steps after its cut (dreamddp, plsgd,
+        // streaming-diloco); every other collective is waited within its step.
+        let staleness = self.clusters[0].machine.plan().delay();
         *self.staleness.entry(staleness).or_default() += r.layers.len() as u64;
         let span: CollectiveSpan = r.span;
         for &l in &r.layers {
@@ -625,7 +644,12 @@ fn run_actions(c: &mut ClusterState, ci: usize, rendezvous: &mut Rendezvous) -> 
                 let buf = c.staging.entry(key).or_default();
                 c.replica.append_unit(layer, kind.unit_data(), buf);
             }
-            SyncAction::Launch { key, layers, kind } => {
+            SyncAction::Launch {
+                key,
+                layers,
+                kind,
+                landing,
+            } => {
                 let ready = layers
                     .iter()
                     .map(|&l| match kind {
@@ -634,6 +658,9 @@ fn run_actions(c: &mut ClusterState, ci: usize, rendezvous: &mut Rendezvous) -> 
                     })
                     .fold(c.now, SimTime::max);
                 let buffer = c.staging.remove(&key).unwrap_or_default();
+                if landing.needs_cut() {
+                    c.cuts.insert(key, buffer.clone());
+                }
                 rendezvous.join(key, layers, ci, ready, buffer);
             }
             SyncAction::Wait { key } => match rendezvous.end_of(key) {
@@ -649,16 +676,39 @@ fn run_actions(c: &mut ClusterState, ci: usize, rendezvous: &mut Rendezvous) -> 
                 offset,
                 len,
                 kind,
+                landing,
             } => {
-                let replica = &mut c.replica;
-                rendezvous.apply(key, offset, len, |values| match kind {
-                    SyncKind::Gradients => replica.set_layer_grads(layer, values),
-                    SyncKind::Parameters => replica.set_layer_values(layer, values),
+                let (replica, scratch, outer_state) =
+                    (&mut c.replica, &mut c.scratch, &mut c.outer);
+                let cut = c.cuts.get(&key);
+                rendezvous.apply(key, offset, len, |average| match (kind, landing) {
+                    (SyncKind::Gradients, _) => replica.set_layer_grads(layer, average),
+                    (SyncKind::Parameters, Landing::Replace) => {
+                        replica.set_layer_values(layer, average)
+                    }
+                    (SyncKind::Parameters, Landing::Rebase) => {
+                        let cut = &cut.expect("a rebase keeps its cut")[offset..offset + len];
+                        replica.values_into(layer, scratch);
+                        outer::rebase(average, cut, scratch);
+                        replica.set_layer_values(layer, scratch);
+                    }
+                    (SyncKind::Parameters, Landing::Outer { mix }) => {
+                        replica.values_into(layer, scratch);
+                        outer_state.land(layer, average, scratch, mix);
+                        replica.set_layer_values(layer, scratch);
+                    }
                 });
+                if landing.needs_cut() && offset + len == c.cuts.get(&key).map_or(0, Vec::len) {
+                    c.cuts.remove(&key);
+                }
             }
             SyncAction::StepLayer { layer } => {
                 c.replica.step_layer(layer);
                 c.stepped_at[layer] = c.now.max(c.grad_avail[layer]);
+            }
+            SyncAction::SetAnchor { layer } => {
+                c.replica.values_into(layer, &mut c.scratch);
+                c.outer.set_anchor(layer, &c.scratch);
             }
         }
     }

@@ -334,7 +334,8 @@ fn bad_input_errors_name_the_key() {
 
     let e = err(&default_scenario(), "allreduce");
     assert!(
-        e.contains("allreduce") && e.contains("ssgd, wfbp, localsgd, dreamddp"),
+        e.contains("allreduce")
+            && e.contains("ssgd, wfbp, localsgd, dreamddp, plsgd, diloco, streaming-diloco"),
         "{e}"
     );
 
