@@ -109,7 +109,9 @@ pub struct TrainArgs {
     /// Streaming DiLoCo: weight α of the local values when a fragment lands (default 0.5).
     #[arg(long)]
     pub mix: Option<f32>,
-    /// DreamDDP schedule: profiled (DFS over measured backward and communication times) or equal.
+    /// DreamDDP schedule: auto (default: the best of the profiled DFS and equal splits into
+    /// 1..=H phase groups, with the best delay, under a multi-step cost model), profiled (the
+    /// paper's DFS over measured backward and communication times) or equal.
     #[arg(long)]
     pub schedule: Option<String>,
     /// DreamDDP bubble filling: extra syncs where the modelled link would otherwise idle

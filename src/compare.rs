@@ -4,22 +4,26 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{Context, Result};
 use engine::plan::Strategy;
 use gpu_worker::trainer::RunReport;
 
 use crate::cli::TrainArgs;
 use crate::plots;
-use crate::train_cmd::{human_bytes, resolve, train_one, write_json};
+use crate::train_cmd::{human_bytes, resolve, train_one, write_json, Variant};
 
 /// Runs the comparison.
 pub fn run(args: &TrainArgs) -> Result<()> {
-    let strategies: Vec<Strategy> = match args.strategies.as_deref() {
-        None => Strategy::ALL.to_vec(),
-        Some(list) => list
-            .split(',')
-            .map(|s| s.trim().parse::<Strategy>().map_err(|e| anyhow!("{e}")))
-            .collect::<Result<_>>()?,
+    let strategies: Vec<Variant> = match args.strategies.as_deref() {
+        None => Strategy::ALL
+            .iter()
+            .map(|&s| Variant::from(s))
+            .chain(std::iter::once(Variant {
+                strategy: Strategy::DreamDdp,
+                paper: true,
+            }))
+            .collect(),
+        Some(list) => list.split(',').map(Variant::parse).collect::<Result<_>>()?,
     };
     let r = resolve(args)?;
     let out_dir = args.out.clone().unwrap_or_else(|| {

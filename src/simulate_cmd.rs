@@ -387,6 +387,26 @@ fn print_table(s: &SimSummary) {
                 parts.join(" ")
             );
         }
+        if let Some(chosen) = r.plan_candidates.iter().find(|c| c.chosen) {
+            let best_paper = r
+                .plan_candidates
+                .iter()
+                .find(|c| c.schedule == engine::plan::ScheduleKind::Profiled && c.delay == 1);
+            println!(
+                "  {:<16} configuration search: {} schedule, {} phase groups, delay {} \
+                 (modelled step {:.2} ms{}; {} candidates in summary.json)",
+                r.strategy,
+                chosen.schedule,
+                chosen.groups,
+                chosen.delay,
+                chosen.step_s * 1e3,
+                best_paper.map_or(String::new(), |p| format!(
+                    ", the paper's profiled/delay 1: {:.2} ms",
+                    p.step_s * 1e3
+                )),
+                r.plan_candidates.len()
+            );
+        }
         if r.undelivered_deltas > 0 {
             println!(
                 "  [ERROR] {}: {} weak-synced deltas were lost (neither delivered nor cached)",

@@ -33,10 +33,10 @@ pub struct Resolved {
     pub schedule: ScheduleKind,
     pub overrides: Vec<(String, u64)>,
     pub bubble_fill: bool,
-    /// DreamDDP's delay (`--delay`).
-    pub delay: u64,
-    /// Streaming DiLoCo's τ (`--fragment-delay`).
-    pub fragment_delay: u64,
+    /// DreamDDP's delay (`--delay`; `None`: chosen from the profile).
+    pub delay: Option<u64>,
+    /// Streaming DiLoCo's τ (`--fragment-delay`; `None`: 1).
+    pub fragment_delay: Option<u64>,
     /// Outer optimizer of diloco / streaming-diloco.
     pub outer: OuterConfig,
     /// The step profile measured for `--link auto`, reused by the DreamDDP schedule.
@@ -49,9 +49,6 @@ fn data_dir(args: &TrainArgs) -> Option<PathBuf> {
         .clone()
         .or_else(engine::data::locate::shared_datasets_dir)
 }
-
-/// DreamDDP's default `--delay`.
-pub const DEFAULT_DELAY: u64 = 1;
 
 /// Turns flags (and the config file) into a task and a training configuration.
 pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
@@ -79,7 +76,7 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
     let schedule: ScheduleKind = args
         .schedule
         .as_deref()
-        .unwrap_or("profiled")
+        .unwrap_or("auto")
         .parse()
         .map_err(|e| anyhow!("{e}"))?;
     let optimizer = match args.optimizer.as_deref() {
@@ -166,8 +163,8 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         schedule,
         overrides,
         bubble_fill: args.bubble_fill,
-        delay: args.delay.unwrap_or(DEFAULT_DELAY),
-        fragment_delay: args.fragment_delay.unwrap_or(1),
+        delay: args.delay,
+        fragment_delay: args.fragment_delay,
         outer,
         profile,
         link_spec,
@@ -260,19 +257,79 @@ fn parse_overrides(s: &str) -> Result<Vec<(String, u64)>> {
         .collect()
 }
 
-/// Builds the sync plan of `r` for `strategy` (profiling the model when the schedule needs it).
-pub fn plan_for(r: &Resolved, strategy: Strategy) -> Result<SyncPlan> {
+/// What `train --compare` runs: a strategy, or the paper's fixed DreamDDP configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Variant {
+    /// The strategy.
+    pub strategy: Strategy,
+    /// `dreamddp-paper`: the profiled DFS schedule and delay 1, whatever the flags say.
+    pub paper: bool,
+}
+
+/// Name of the paper's DreamDDP configuration in `--strategies`.
+pub const DREAMDDP_PAPER: &str = "dreamddp-paper";
+
+impl Variant {
+    /// Parses a strategy name or `dreamddp-paper`.
+    pub fn parse(name: &str) -> Result<Self> {
+        if name.trim().eq_ignore_ascii_case(DREAMDDP_PAPER) {
+            return Ok(Self {
+                strategy: Strategy::DreamDdp,
+                paper: true,
+            });
+        }
+        let strategy = name
+            .trim()
+            .parse::<Strategy>()
+            .map_err(|e| anyhow!("{e} (or {DREAMDDP_PAPER})"))?;
+        Ok(Self {
+            strategy,
+            paper: false,
+        })
+    }
+
+    /// The name in reports.
+    pub fn name(self) -> &'static str {
+        if self.paper {
+            DREAMDDP_PAPER
+        } else {
+            self.strategy.name()
+        }
+    }
+}
+
+impl From<Strategy> for Variant {
+    fn from(strategy: Strategy) -> Self {
+        Self {
+            strategy,
+            paper: false,
+        }
+    }
+}
+
+/// Builds the sync plan of `r` for `variant` (profiling the model when the schedule needs it).
+pub fn plan_for(r: &Resolved, variant: impl Into<Variant>) -> Result<SyncPlan> {
+    let variant = variant.into();
+    let strategy = variant.strategy;
+    let (schedule, delay) = if variant.paper {
+        (ScheduleKind::Profiled, Some(1))
+    } else {
+        (
+            r.schedule,
+            match strategy {
+                Strategy::StreamingDiloco => r.fragment_delay,
+                _ => r.delay,
+            },
+        )
+    };
     build_plan(&PlanInputs {
         task: &r.task,
         strategy,
         period: r.period,
-        schedule: r.schedule,
+        schedule,
         overrides: &r.overrides,
         bubble_filling: r.bubble_fill,
-        delay: match strategy {
-            Strategy::StreamingDiloco => r.fragment_delay,
-            _ => r.delay,
-        },
+        delay,
         outer: r.outer,
         link: &r.cfg.link,
         workers: r.cfg.workers,
@@ -284,9 +341,11 @@ pub fn plan_for(r: &Resolved, strategy: Strategy) -> Result<SyncPlan> {
     .map_err(|e| anyhow!("{e}"))
 }
 
-/// Trains one strategy with a progress bar.
-pub fn train_one(r: &Resolved, strategy: Strategy, quiet: bool) -> Result<RunReport> {
-    let plan = plan_for(r, strategy)?;
+/// Trains one strategy (or the paper's DreamDDP) with a progress bar.
+pub fn train_one(r: &Resolved, variant: impl Into<Variant>, quiet: bool) -> Result<RunReport> {
+    let variant = variant.into();
+    let strategy = variant.strategy;
+    let plan = plan_for(r, variant)?;
     tracing::debug!("sync plan:\n{}", plan.describe());
     let mut cfg = r.cfg.clone();
     cfg.strategy = strategy;
@@ -301,7 +360,7 @@ pub fn train_one(r: &Resolved, strategy: Strategy, quiet: bool) -> Result<RunRep
         )
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar.set_prefix(strategy.to_string());
+    bar.set_prefix(variant.name());
     bar.enable_steady_tick(Duration::from_millis(250));
     let b = bar.clone();
     let report = train(
@@ -315,8 +374,10 @@ pub fn train_one(r: &Resolved, strategy: Strategy, quiet: bool) -> Result<RunRep
             }
         }),
     )
-    .with_context(|| format!("training with strategy {strategy} failed"))?;
+    .with_context(|| format!("training with strategy {} failed", variant.name()))?;
     bar.finish_and_clear();
+    let mut report = report;
+    report.strategy = variant.name().to_string();
     Ok(report)
 }
 

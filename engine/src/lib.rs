@@ -8,11 +8,14 @@
 //! * [`plan`], [`bucket`], [`schedule`], [`staleness`]: sync plans (strategies, buckets), the
 //!   DreamDDP schedule, and staleness-weighted averaging ([`fused_reduce`]: its single-pass
 //!   streaming kernels for aggregators).
+//! * [`config_search`]: the best DreamDDP configuration (phase groups, delay) under a cost model
+//!   that carries communication across steps.
 //! * [`outer`]: how a parameter average lands (replace, rebase, DiLoCo's outer Nesterov step).
 
 pub mod backend;
 pub mod bucket;
 pub mod checkpoint;
+pub mod config_search;
 pub mod data;
 pub mod fused_reduce;
 pub mod layer;

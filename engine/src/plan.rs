@@ -42,6 +42,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::bucket::{make_buckets, Bucket, BucketCaps};
+use crate::config_search::Candidate;
 use crate::model::LayerInfo;
 use crate::outer::{Landing, OuterConfig, OuterConfigError};
 use crate::schedule::{self, DreamSchedule, ModelProfile, ScheduleError};
@@ -166,20 +167,31 @@ impl FromStr for Strategy {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ScheduleKind {
-    /// The DFS over measured per-layer timings, with bubble filling.
+    /// The best of the profiled DFS and the equal splits into 1..=H phase groups, with the best
+    /// delay, under the multi-step cost model of [`crate::config_search`] (when the caller
+    /// runs that search; a plan built directly takes `profiled` when it has a profile and
+    /// `equal` otherwise).
     #[default]
+    Auto,
+    /// The DFS over measured per-layer timings, with bubble filling (the paper's schedule).
     Profiled,
-    /// Contiguous equal split in backward order (baseline).
+    /// Contiguous equal split in backward order (baseline), into [`PlanConfig::groups`]
+    /// phase groups (H by default).
     Equal,
 }
 
 impl ScheduleKind {
     /// Every schedule kind.
-    pub const ALL: [ScheduleKind; 2] = [ScheduleKind::Profiled, ScheduleKind::Equal];
+    pub const ALL: [ScheduleKind; 3] = [
+        ScheduleKind::Auto,
+        ScheduleKind::Profiled,
+        ScheduleKind::Equal,
+    ];
 
     /// The name used on the command line and in files.
     pub fn name(self) -> &'static str {
         match self {
+            ScheduleKind::Auto => "auto",
             ScheduleKind::Profiled => "profiled",
             ScheduleKind::Equal => "equal",
         }
@@ -335,11 +347,14 @@ pub struct PlanConfig {
     /// every step (the bytes of `ssgd`).
     pub bubble_filling: bool,
     /// Steps between an average's launch and its landing: `dreamddp` (1 = the paper's
-    /// algorithm, at most H − 1 when H > 1) and `streaming-diloco` (τ, 0 ≤ τ < H). Other
+    /// algorithm, at most H − 1 when H > 1) and `streaming-diloco` (τ, 0 ≤ τ < H). `None`
+    /// is 1 here; [`crate::config_search::search`] tries every delay for `None`. Other
     /// strategies ignore it.
-    pub delay: u64,
+    pub delay: Option<u64>,
     /// Outer optimizer of `diloco` / `streaming-diloco`.
     pub outer: OuterConfig,
+    /// Phase groups of the `equal` schedule (1..=H; `None`: H, one group per phase).
+    pub groups: Option<u64>,
 }
 
 impl PlanConfig {
@@ -353,8 +368,9 @@ impl PlanConfig {
             period_overrides: Vec::new(),
             bucket_caps: BucketCaps::default(),
             bubble_filling: false,
-            delay: 1,
+            delay: None,
             outer: OuterConfig::default(),
+            groups: None,
         }
     }
 }
@@ -396,6 +412,8 @@ pub struct SyncPlan {
     buckets: Vec<Bucket>,
     schedule: Option<DreamSchedule>,
     delay: u64,
+    /// The candidates of the configuration search, when this plan was chosen by one.
+    search: Option<Vec<Candidate>>,
     outer: OuterConfig,
 }
 
@@ -421,12 +439,13 @@ impl SyncPlan {
         let overrides = resolve_overrides(units_forward, config)?;
         let units_backward: Vec<LayerInfo> = units_forward.iter().rev().cloned().collect();
 
-        let delay = checked_delay(config)?;
         if config.strategy.uses_outer_optimizer() {
             config.outer.validate()?;
         }
-        let schedule_kind = match config.strategy {
-            Strategy::DreamDdp => config.schedule,
+        let schedule_kind = match (config.strategy, config.schedule) {
+            (Strategy::DreamDdp, ScheduleKind::Auto) if profile.is_some() => ScheduleKind::Profiled,
+            (Strategy::DreamDdp, ScheduleKind::Auto) => ScheduleKind::Equal,
+            (Strategy::DreamDdp, kind) => kind,
             _ => ScheduleKind::Equal,
         };
         let schedule = if config.strategy.is_partial() {
@@ -438,7 +457,13 @@ impl SyncPlan {
                 });
             }
             Some(match schedule_kind {
-                ScheduleKind::Equal => schedule::equal_split(units_backward.len(), h)?,
+                ScheduleKind::Equal => match config.groups {
+                    Some(g) if config.strategy == Strategy::DreamDdp => {
+                        schedule::grouped_split(units_backward.len(), h, g)?
+                    }
+                    _ => schedule::equal_split(units_backward.len(), h)?,
+                },
+                ScheduleKind::Auto => unreachable!("resolved above"),
                 ScheduleKind::Profiled => {
                     let profile = profile.ok_or(PlanError::MissingProfile)?;
                     check_profile(&units_backward, profile)?;
@@ -456,6 +481,8 @@ impl SyncPlan {
         } else {
             None
         };
+
+        let delay = checked_delay(config)?;
 
         let mut units: Vec<UnitPlan> = units_forward
             .iter()
@@ -527,6 +554,7 @@ impl SyncPlan {
             buckets,
             schedule,
             delay,
+            search: None,
             outer: config.outer,
         })
     }
@@ -536,6 +564,16 @@ impl SyncPlan {
     /// (the blocking strategies land within the step).
     pub fn delay(&self) -> u64 {
         self.delay
+    }
+
+    /// When this plan was chosen by [`crate::config_search::search`]: every candidate
+    /// configuration with its modelled step time.
+    pub fn search_candidates(&self) -> Option<&[Candidate]> {
+        self.search.as_deref()
+    }
+
+    pub(crate) fn set_search(&mut self, candidates: Vec<Candidate>) {
+        self.search = Some(candidates);
     }
 
     /// The outer optimizer's settings (used by `diloco` and `streaming-diloco`).
@@ -616,7 +654,16 @@ impl SyncPlan {
         let mut out = String::new();
         let schedule = match self.strategy {
             Strategy::DreamDdp | Strategy::StreamingDiloco => {
-                format!(", schedule {}, delay {}", self.schedule_kind, self.delay)
+                let groups = self.schedule.as_ref().map_or(0, |s| {
+                    let mut phases: Vec<u64> = s.phases_of_unit.iter().flatten().copied().collect();
+                    phases.sort_unstable();
+                    phases.dedup();
+                    phases.len()
+                });
+                format!(
+                    ", schedule {} ({groups} phase groups), delay {}",
+                    self.schedule_kind, self.delay
+                )
             }
             Strategy::Plsgd => format!(", schedule {}", self.schedule_kind),
             _ => String::new(),
@@ -659,13 +706,31 @@ impl SyncPlan {
                 u.name, u.index, u.params, u.period, due, u.bucket
             );
         }
+        if let Some(candidates) = &self.search {
+            let _ = writeln!(
+                out,
+                "configuration search (modelled mean step time per schedule, phase groups, delay):"
+            );
+            for c in candidates {
+                let _ = writeln!(
+                    out,
+                    "  {:<8} {} groups  delay {}  {:>9.3} ms{}",
+                    c.schedule.name(),
+                    c.groups,
+                    c.delay,
+                    c.step_s * 1e3,
+                    if c.chosen { "  <- chosen" } else { "" }
+                );
+            }
+        }
         out
     }
 }
 
 /// The delay of `config`'s strategy (see [`PlanConfig::delay`]), validated.
 fn checked_delay(config: &PlanConfig) -> Result<u64, PlanError> {
-    let (h, d) = (config.period, config.delay);
+    let h = config.period;
+    let d = config.delay.unwrap_or(1);
     let bad = |why| {
         Err(PlanError::BadDelay {
             strategy: config.strategy,
@@ -827,7 +892,7 @@ mod tests {
         let err = "random".parse::<ScheduleKind>().unwrap_err();
         assert_eq!(
             err.to_string(),
-            "unknown schedule `random`; valid: profiled, equal"
+            "unknown schedule `random`; valid: auto, profiled, equal"
         );
     }
 

@@ -131,6 +131,14 @@ pub enum ScheduleError {
         /// The number of sync units.
         units: usize,
     },
+    /// A number of phase groups outside `1..=period`.
+    #[error("{groups} phase groups do not fit period {period}: use 1 to {period}")]
+    BadGroups {
+        /// The groups asked for.
+        groups: u64,
+        /// The period.
+        period: u64,
+    },
     /// A profile time that is negative, NaN or infinite.
     #[error("profile of layer `{layer}`: {what} = {value} is not a finite, non-negative time")]
     BadTime {
@@ -329,6 +337,30 @@ pub fn equal_split(unit_count: usize, period: u64) -> Result<DreamSchedule, Sche
     check_period(unit_count, period)?;
     let phases_of_unit = (0..unit_count as u64)
         .map(|j| vec![j * period / unit_count as u64])
+        .collect();
+    Ok(DreamSchedule {
+        period,
+        phases_of_unit,
+    })
+}
+
+/// The units, in backward order, cut into `groups` contiguous groups of (almost) equal count,
+/// group `g` synced at phase `⌊g·H / groups⌋` (`groups = H` is [`equal_split`]; `groups = 1`
+/// syncs every unit at phase 0, as local SGD does, but launched in backward).
+pub fn grouped_split(
+    unit_count: usize,
+    period: u64,
+    groups: u64,
+) -> Result<DreamSchedule, ScheduleError> {
+    if groups == 0 || groups > period {
+        return Err(ScheduleError::BadGroups { groups, period });
+    }
+    check_period(unit_count, groups)?;
+    let phases_of_unit = (0..unit_count as u64)
+        .map(|j| {
+            let g = j * groups / unit_count as u64;
+            vec![g * period / groups]
+        })
         .collect();
     Ok(DreamSchedule {
         period,

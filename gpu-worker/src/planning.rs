@@ -2,6 +2,7 @@
 //! overrides, and — for DreamDDP's `profiled` schedule — a profile measured on this machine
 //! (backward time per layer) combined with the link model (communication time per layer).
 
+use engine::config_search;
 use engine::outer::OuterConfig;
 use engine::plan::{PlanConfig, PlanError, ScheduleKind, Strategy, SyncPlan};
 use engine::schedule::ModelProfile;
@@ -27,8 +28,8 @@ pub struct PlanInputs<'a> {
     pub overrides: &'a [(String, u64)],
     /// DreamDDP bubble filling (extra syncs on an idle link).
     pub bubble_filling: bool,
-    /// Steps an average may land after its launch ([`PlanConfig::delay`]).
-    pub delay: u64,
+    /// Steps an average may land after its launch ([`PlanConfig::delay`]; `None`: chosen).
+    pub delay: Option<u64>,
     /// Outer optimizer of diloco / streaming-diloco.
     pub outer: OuterConfig,
     /// The link the collective is shaped with.
@@ -60,7 +61,8 @@ pub enum PlanBuildError {
     Profile(#[from] ReplicaError),
 }
 
-/// Builds the plan; profiles the model first when the DreamDDP `profiled` schedule needs it.
+/// Builds the plan; profiles the model first when DreamDDP's `profiled` schedule or its
+/// configuration search (`auto` schedule or no fixed delay) needs it.
 pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanBuildError> {
     let mut replica = inp
         .backend
@@ -72,7 +74,10 @@ pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanBuildError> {
     cfg.bubble_filling = inp.bubble_filling;
     cfg.delay = inp.delay;
     cfg.outer = inp.outer;
-    let profile = if inp.strategy == Strategy::DreamDdp && inp.schedule == ScheduleKind::Profiled {
+    // The profiled schedule and the configuration search both need timings.
+    let needs_profile = inp.strategy == Strategy::DreamDdp
+        && (inp.schedule != ScheduleKind::Equal || inp.delay.is_none());
+    let profile = if needs_profile {
         let p = match inp.measured {
             Some(p) => p.clone(),
             None => profile_step(
@@ -91,10 +96,13 @@ pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanBuildError> {
     } else {
         None
     };
-    Ok(SyncPlan::new(
-        inp.task.model.name(),
-        &units,
-        &cfg,
-        profile.as_ref(),
-    )?)
+    let name = inp.task.model.name();
+    Ok(match &profile {
+        Some(p) => {
+            // One exchange of a bucket: the ring all-reduce of its bytes on the shaped link.
+            let comm = |params: usize| inp.link.ring_allreduce_seconds(params * 4, inp.workers);
+            config_search::search(name, &units, &cfg, p, &comm)?
+        }
+        None => SyncPlan::new(name, &units, &cfg, None)?,
+    })
 }

@@ -38,7 +38,7 @@ fn plan_with_delay(
     delay: u64,
 ) -> SyncPlan {
     let mut config = PlanConfig::new(strategy, period);
-    config.delay = delay;
+    config.delay = Some(delay);
     config.schedule = ScheduleKind::Equal;
     if one_per_bucket {
         config.bucket_caps = BucketCaps {
@@ -468,7 +468,7 @@ fn dreamddp_with_a_delay_lands_later_and_rebases() {
 fn plsgd_is_the_equal_split_without_delay_whatever_the_config_says() {
     let mut config = PlanConfig::new(Strategy::Plsgd, 2);
     config.schedule = ScheduleKind::Profiled; // needs no profile: plsgd ignores it
-    config.delay = 3;
+    config.delay = Some(3);
     let p = SyncPlan::new("test", &infos(&[2, 3, 4, 5]), &config, None).expect("plan");
     let equal = plan(Strategy::DreamDdp, 2, &[2, 3, 4, 5], false);
     for (a, b) in p.units().iter().zip(equal.units()) {

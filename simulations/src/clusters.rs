@@ -13,9 +13,9 @@
 //! inter_link = "wan"               # name of the link in [links] joining the clusters
 //! intra_bandwidth = "100gbit"      # per-worker interconnect inside a cluster (default 100gbit)
 //! intra_latency_us = 5             # per ring step inside a cluster (default 5)
-//! schedule = "profiled"            # dreamddp schedule: "profiled" (default) or "equal"
+//! schedule = "auto"                # dreamddp: "auto" (default: search), "profiled" or "equal"
 //! bubble_filling = false           # dreamddp: extra syncs where the link would idle
-//! delay = 1                        # dreamddp: steps from an average's launch to its landing
+//! delay = 2                        # dreamddp: steps from launch to landing (default: chosen)
 //! fragment_delay = 1               # streaming-diloco: inner steps an exchange overlaps (τ)
 //! outer = { lr = 0.7, momentum = 0.9, mix = 0.5 }   # diloco / streaming-diloco
 //! stop_at_target = false           # stop a strategy once the target is reached
@@ -114,6 +114,7 @@ pub const STRATEGIES: &[&str] = &[
     "wfbp",
     "localsgd",
     "dreamddp",
+    "dreamddp-paper",
     "plsgd",
     "diloco",
     "streaming-diloco",
@@ -133,18 +134,19 @@ pub struct ClustersSpec {
     /// Latency of one ring step inside a cluster, microseconds.
     #[serde(default = "default_intra_latency_us")]
     pub intra_latency_us: f64,
-    /// DreamDDP schedule kind.
+    /// DreamDDP schedule kind (`auto`: the configuration search).
     #[serde(default)]
     pub schedule: ScheduleKind,
     /// DreamDDP bubble filling (extra syncs where the link would idle).
     #[serde(default)]
     pub bubble_filling: bool,
-    /// DreamDDP: steps between an average's launch and its landing (1: the paper's algorithm).
-    #[serde(default = "one_u64")]
-    pub delay: u64,
-    /// Streaming DiLoCo: inner steps a fragment's exchange overlaps (τ).
-    #[serde(default = "one_u64")]
-    pub fragment_delay: u64,
+    /// DreamDDP: steps between an average's launch and its landing (1: the paper's algorithm;
+    /// absent: chosen by the cost model of `engine::delay`).
+    #[serde(default)]
+    pub delay: Option<u64>,
+    /// Streaming DiLoCo: inner steps a fragment's exchange overlaps (τ; absent: 1).
+    #[serde(default)]
+    pub fragment_delay: Option<u64>,
     /// DiLoCo / Streaming DiLoCo outer optimizer (`{ lr = 0.7, momentum = 0.9, mix = 0.5 }`).
     #[serde(default)]
     pub outer: OuterConfig,
@@ -186,9 +188,6 @@ fn default_intra_latency_us() -> f64 {
     5.0
 }
 fn one_usize() -> usize {
-    1
-}
-fn one_u64() -> u64 {
     1
 }
 fn one_f64() -> f64 {
@@ -373,13 +372,48 @@ impl ClustersSpec {
     }
 }
 
+/// Name of the paper's DreamDDP configuration: the profiled DFS over all H phases, whole
+/// layers, no delay (`dreamddp` runs the configuration search of `engine::config_search`).
+pub const DREAMDDP_PAPER: &str = "dreamddp-paper";
+
+/// A strategy of this simulation: the engine strategy, and whether it is the paper's fixed
+/// DreamDDP configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimStrategy {
+    /// The strategy the sync machine runs.
+    pub strategy: Strategy,
+    /// `dreamddp-paper`: schedule `profiled`, delay 1, whatever `[clusters]` says.
+    pub paper: bool,
+}
+
+impl SimStrategy {
+    /// The name in reports.
+    pub fn name(self) -> &'static str {
+        if self.paper {
+            DREAMDDP_PAPER
+        } else {
+            self.strategy.name()
+        }
+    }
+}
+
 /// Parses a strategy name of this simulation.
-pub fn parse_strategy(name: &str) -> Result<Strategy, ClustersError> {
+pub fn parse_strategy(name: &str) -> Result<SimStrategy, ClustersError> {
     let unknown = || ClustersError::UnknownStrategy {
         got: name.to_string(),
         valid: STRATEGIES.join(", "),
     };
-    name.parse::<Strategy>().map_err(|_| unknown())
+    if name.trim().eq_ignore_ascii_case(DREAMDDP_PAPER) {
+        return Ok(SimStrategy {
+            strategy: Strategy::DreamDdp,
+            paper: true,
+        });
+    }
+    let strategy = name.parse::<Strategy>().map_err(|_| unknown())?;
+    Ok(SimStrategy {
+        strategy,
+        paper: false,
+    })
 }
 
 /// Runs one strategy of a `kind = "clusters"` scenario on `task` and reports it.

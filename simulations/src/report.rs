@@ -71,6 +71,10 @@ pub struct StrategyResult {
     pub series: Vec<SeriesPoint>,
     /// Per-layer sync events (capped) for the timeline plot.
     pub timeline: Vec<SyncEvent>,
+    /// `dreamddp` in a clusters scenario: every configuration the search modelled (schedule,
+    /// phase groups, delay, modelled step time) and which one ran.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub plan_candidates: Vec<engine::config_search::Candidate>,
 }
 
 /// The `summary.json` of a simulation.

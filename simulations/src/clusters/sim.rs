@@ -39,11 +39,12 @@
 use std::collections::BTreeMap;
 
 use engine::bucket::Bucket;
+use engine::config_search;
 use engine::lr::LrSchedule;
 use engine::model::Model;
 use engine::optim::OptimizerConfig;
 use engine::outer::{self, Landing, OuterState};
-use engine::plan::{PlanConfig, Strategy, SyncPlan};
+use engine::plan::{PlanConfig, ScheduleKind, Strategy, SyncPlan};
 use engine::schedule::{LayerProfile, ModelProfile};
 use gpu_worker::sync_machine::{SyncAction, SyncKind, WorkerSyncMachine};
 use node::collective::ReduceKey;
@@ -58,7 +59,7 @@ use crate::time::{SimDuration, SimTime};
 
 use super::fabric::{CollectiveSpan, Fabric, IntraNet};
 use super::rendezvous::{Rendezvous, Resolved};
-use super::{ClusterSetup, ClustersError, ClustersSpec, TIMELINE_CAP};
+use super::{ClusterSetup, ClustersError, ClustersSpec, SimStrategy, TIMELINE_CAP};
 
 /// Node name of inter-cluster sync events in the timeline.
 const INTER_NODE: &str = "inter-cluster";
@@ -108,7 +109,7 @@ struct ClusterModel {
 pub(super) struct Simulation<'a> {
     scenario: &'a Scenario,
     task: &'a Task,
-    strategy: Strategy,
+    label: &'static str,
     stop_at_target: bool,
     clusters: Vec<ClusterState>,
     /// Averaging weight of each cluster (its share of the workers).
@@ -170,8 +171,9 @@ impl<'a> Simulation<'a> {
         spec: &ClustersSpec,
         setups: Vec<ClusterSetup>,
         task: &'a Task,
-        strategy: Strategy,
+        choice: SimStrategy,
     ) -> Result<Self, ClustersError> {
+        let strategy = choice.strategy;
         let defaults = task.defaults();
         let optimizer = optimizer_for(scenario, task)?;
         let lr = scenario.lr.unwrap_or(defaults.lr);
@@ -258,6 +260,10 @@ impl<'a> Simulation<'a> {
             _ => spec.delay,
         };
         config.outer = spec.outer;
+        if choice.paper {
+            config.schedule = ScheduleKind::Profiled;
+            config.delay = Some(1);
+        }
         let profile = if strategy == Strategy::DreamDdp {
             Some(profile_of(
                 &clusters,
@@ -269,7 +275,24 @@ impl<'a> Simulation<'a> {
         } else {
             None
         };
-        let plan = SyncPlan::new(&global.name, &infos, &config, profile.as_ref())?;
+        let plan = match &profile {
+            // One exchange of a bucket: the inter-cluster all-reduce probed on a copy of the
+            // links plus the slowest cluster's intra-cluster reduce, as `profile_of` charges a
+            // layer.
+            Some(p) => {
+                let comm = |params: usize| {
+                    let bytes = params as u64 * 4;
+                    let intra = clusters
+                        .iter()
+                        .map(|c| c.intra.all_reduce_time(bytes))
+                        .max()
+                        .unwrap_or(SimDuration::ZERO);
+                    fabric.probe_seconds(bytes).unwrap_or(f64::INFINITY) + intra.as_secs_f64()
+                };
+                config_search::search(&global.name, &infos, &config, p, &comm)?
+            }
+            None => SyncPlan::new(&global.name, &infos, &config, None)?,
+        };
 
         // Inside a cluster: wfbp reduces the DDP buckets of its plan; ssgd the whole model
         // after backward; the parameter-averaging strategies each layer's gradient from the
@@ -339,7 +362,7 @@ impl<'a> Simulation<'a> {
         Ok(Self {
             scenario,
             task,
-            strategy,
+            label: choice.name(),
             stop_at_target: spec.stop_at_target,
             rendezvous: Rendezvous::new(weights.clone()),
             weights,
@@ -426,7 +449,7 @@ impl<'a> Simulation<'a> {
         bytes_by_link_class.insert("inter-cluster".to_string(), self.fabric.bytes_on_wire());
         bytes_by_link_class.insert("intra-cluster".to_string(), self.intra_bytes);
         Ok(StrategyResult {
-            strategy: self.strategy.name().to_string(),
+            strategy: self.label.to_string(),
             time_to_target_s: time_to_target,
             final_accuracy,
             final_loss,
@@ -445,6 +468,12 @@ impl<'a> Simulation<'a> {
             wall_seconds: 0.0,
             series,
             timeline: self.timeline,
+            plan_candidates: self.clusters[0]
+                .machine
+                .plan()
+                .search_candidates()
+                .map(<[_]>::to_vec)
+                .unwrap_or_default(),
         })
     }
 

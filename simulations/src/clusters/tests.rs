@@ -335,7 +335,9 @@ fn bad_input_errors_name_the_key() {
     let e = err(&default_scenario(), "allreduce");
     assert!(
         e.contains("allreduce")
-            && e.contains("ssgd, wfbp, localsgd, dreamddp, plsgd, diloco, streaming-diloco"),
+            && e.contains(
+                "ssgd, wfbp, localsgd, dreamddp, dreamddp-paper, plsgd, diloco, streaming-diloco"
+            ),
         "{e}"
     );
 
@@ -404,4 +406,39 @@ fn shipped_cluster_scenarios_parse_and_validate() {
             parse_strategy(strategy).unwrap();
         }
     }
+}
+
+#[test]
+fn dreamddp_records_its_configuration_search_and_the_paper_variant_runs_fixed() {
+    let mut s = default_scenario();
+    s.max_steps = 12;
+    let task = digits_task(ModelKind::Mlp);
+    let searched = run(&s, &task, "dreamddp");
+    let chosen: Vec<_> = searched
+        .plan_candidates
+        .iter()
+        .filter(|c| c.chosen)
+        .collect();
+    assert_eq!(chosen.len(), 1, "{:?}", searched.plan_candidates);
+    let best = searched
+        .plan_candidates
+        .iter()
+        .map(|c| c.step_s)
+        .fold(f64::INFINITY, f64::min);
+    assert!(chosen[0].step_s <= best * (1.0 + engine::config_search::TIE_TOLERANCE));
+    // The staleness of every landing is the chosen delay.
+    let taus: Vec<u64> = searched.staleness_histogram.keys().copied().collect();
+    assert_eq!(taus, vec![chosen[0].delay]);
+
+    let paper = run(&s, &task, "dreamddp-paper");
+    assert_eq!(paper.strategy, "dreamddp-paper");
+    assert!(paper.plan_candidates.is_empty());
+    assert_eq!(
+        paper
+            .staleness_histogram
+            .keys()
+            .copied()
+            .collect::<Vec<_>>(),
+        vec![1]
+    );
 }

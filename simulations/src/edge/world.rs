@@ -1709,6 +1709,7 @@ impl<'a> World<'a> {
             wall_seconds: 0.0,
             series: self.series.clone(),
             timeline: self.timeline.clone(),
+            plan_candidates: Vec::new(),
         };
         let diagnostics = EdgeDiagnostics {
             ledger: check,
