@@ -52,6 +52,23 @@ pub struct AggregatorConfig {
     /// current [`protocol::LayerVersion`] so it can rebase without waiting for the next
     /// broadcast.
     pub send_version_on_resync: bool,
+    /// How a round's deltas are combined.
+    pub aggregation: Aggregation,
+    /// A round closed by its timeout with fewer distinct senders than this is not applied:
+    /// every delta in it is refused with [`protocol::ResyncReason::RoundIncomplete`] (FedAvg's
+    /// minimum completion rate). 0 or 1: every round is applied.
+    pub min_round_senders: usize,
+}
+
+/// How the deltas of a round are combined.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Aggregation {
+    /// `θ ← θ + η · Σ wᵢΔᵢ / Σ wᵢ`, `wᵢ = nᵢ·s(τᵢ)`: the staleness- and sample-weighted mean.
+    #[default]
+    WeightedMean,
+    /// FedBuff (Nguyen et al., AISTATS 2022): `θ ← θ + η · (1/K) · Σ s(τᵢ)Δᵢ` over the `K`
+    /// deltas of the round (the buffer), unweighted by samples.
+    Buffered,
 }
 
 impl Default for AggregatorConfig {
@@ -64,6 +81,8 @@ impl Default for AggregatorConfig {
             round_timeout_ns: 1_000_000_000,
             broadcast_codec: Codec::RawF32,
             send_version_on_resync: true,
+            aggregation: Aggregation::WeightedMean,
+            min_round_senders: 0,
         }
     }
 }

@@ -28,7 +28,7 @@ pub mod server;
 pub mod snapshot;
 pub mod state;
 
-pub use config::{AggregatorConfig, NodeId, OwnedLayer};
+pub use config::{Aggregation, AggregatorConfig, NodeId, OwnedLayer};
 pub use error::{AggregatorError, InputError, SnapshotError};
 pub use state::{AggEvent, AggregatorCounters, AggregatorState, LayerView, Output};
 

@@ -47,7 +47,7 @@ use protocol::{
     LayerPayload, LayerVersion, Message, Resync, ResyncReason,
 };
 
-use crate::config::{AggregatorConfig, NodeId, OwnedLayer};
+use crate::config::{Aggregation, AggregatorConfig, NodeId, OwnedLayer};
 use crate::error::{AggregatorError, InputError, SnapshotError};
 use crate::snapshot::{self, SnapshotData, SnapshotLayer};
 
@@ -255,6 +255,15 @@ struct LayerState {
 
 impl LayerState {
     /// Forgets the open round (its deltas stay unacknowledged).
+    /// Distinct senders in the open round.
+    fn distinct_senders(&self) -> usize {
+        self.pending
+            .iter()
+            .enumerate()
+            .filter(|(i, d)| !self.pending[..*i].iter().any(|e| e.from == d.from))
+            .count()
+    }
+
     fn clear_round(&mut self) -> Vec<PendingDelta> {
         self.round_started_at = None;
         self.acc_weight = 0.0;
@@ -427,8 +436,29 @@ impl AggregatorState {
                 .round_started_at
                 .is_some_and(|t| t.saturating_add(self.config.round_timeout_ns) <= now);
             if due {
-                self.close_round(li);
+                let senders = self.layers[li].distinct_senders();
+                if senders < self.config.min_round_senders {
+                    self.fail_round(li, senders);
+                } else {
+                    self.close_round(li);
+                }
             }
+        }
+    }
+
+    /// Refuses every delta of layer index `li`'s open round: it had `senders` distinct
+    /// senders, fewer than [`AggregatorConfig::min_round_senders`].
+    fn fail_round(&mut self, li: usize, senders: usize) {
+        let reason = ResyncReason::RoundIncomplete {
+            senders: u32::try_from(senders).unwrap_or(u32::MAX),
+            required: u32::try_from(self.config.min_round_senders).unwrap_or(u32::MAX),
+        };
+        let layer = &mut self.layers[li];
+        let dropped = layer.clear_round();
+        layer.acc_max_abs = 0.0;
+        for d in dropped {
+            self.drop_stale(li, d.from, d.seq, reason);
+            self.recycle(d.delta);
         }
     }
 
@@ -534,7 +564,10 @@ impl AggregatorState {
         }
 
         let tau = version - p.base_version;
-        let weight = self.config.staleness.weight(p.sample_count, tau);
+        let weight = match self.config.aggregation {
+            Aggregation::WeightedMean => self.config.staleness.weight(p.sample_count, tau),
+            Aggregation::Buffered => self.config.staleness.discount(tau),
+        };
         let values = match self.pending_values(p.payload, p.codec, &p.shape) {
             Ok(values) => values,
             Err(source) => return self.reject(from, InputError::Decode { layer_id, source }),
@@ -566,13 +599,7 @@ impl AggregatorState {
                 return self.reject_fused(from, layer_id, e);
             }
         }
-        let distinct_senders = layer
-            .pending
-            .iter()
-            .enumerate()
-            .filter(|(i, d)| !layer.pending[..*i].iter().any(|e| e.from == d.from))
-            .count();
-        if distinct_senders >= self.config.round_size {
+        if layer.distinct_senders() >= self.config.round_size {
             self.close_round(li);
         }
     }
@@ -849,9 +876,14 @@ impl AggregatorState {
             .pending
             .first()
             .map_or(1.0, |d| reference_weight(d.weight));
-        // θ' = θ + η·Σwᵢ Δᵢ / Σwᵢ = θ + (η·w_ref/Σwᵢ) · Σ (wᵢ/w_ref)·Δᵢ.
-        let scale = if layer.acc_weight > 0.0 {
-            (eta * reference / layer.acc_weight) as f32
+        // θ' = θ + η·Σwᵢ Δᵢ / Σwᵢ = θ + (η·w_ref/Σwᵢ) · Σ (wᵢ/w_ref)·Δᵢ; FedBuff divides
+        // by the buffer's K deltas instead of Σwᵢ.
+        let norm = match self.config.aggregation {
+            Aggregation::WeightedMean => layer.acc_weight,
+            Aggregation::Buffered => layer.pending.len() as f64,
+        };
+        let scale = if layer.acc_weight > 0.0 && norm > 0.0 {
+            (eta * reference / norm) as f32
         } else {
             0.0
         };

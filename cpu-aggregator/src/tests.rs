@@ -652,3 +652,70 @@ fn a_handed_over_version_carries_its_ledger_so_a_retransmission_is_not_applied_t
     assert!(!b.adopt_layer(stale, 1, &ledger).unwrap());
     assert_eq!(b.highest_applied_seq(8, 0), None);
 }
+
+#[test]
+fn fedbuff_rounds_scale_by_staleness_and_divide_by_the_buffer_size() {
+    // K = 2, s(τ) = 1/√(1+τ), η = 1. Version 1 first (one fresh delta of a round of 1 is
+    // not possible with K = 2, so the first round is two fresh deltas).
+    let mut a = agg(AggregatorConfig {
+        staleness: StalenessFn::Polynomial { a: 0.5 },
+        round_size: 2,
+        aggregation: crate::Aggregation::Buffered,
+        ..AggregatorConfig::default()
+    });
+    // Sample counts are ignored by FedBuff: 1 and 100 weigh the same.
+    a.handle_message(1, 7, delta(7, 0, 1, 0, 1, &[2.0; 4]));
+    a.handle_message(2, 8, delta(8, 0, 1, 0, 100, &[4.0; 4]));
+    drain(&mut a);
+    // θ = 1 + (2 + 4) / 2 = 4.
+    assert_eq!(a.layer(0).unwrap().values, [4.0; 4]);
+    // Round 2: one delta one version stale (s = 1/√2), one fresh (s = 1).
+    a.handle_message(3, 7, delta(7, 0, 2, 0, 1, &[2.0; 4]));
+    a.handle_message(4, 8, delta(8, 0, 2, 1, 1, &[2.0; 4]));
+    drain(&mut a);
+    let want = 4.0 + (2.0 / 2f32.sqrt() + 2.0) / 2.0;
+    for v in a.layer(0).unwrap().values {
+        assert!((v - want).abs() < 1e-5, "{v} vs {want}");
+    }
+    // The weighted mean would have moved θ by exactly 2 here: FedBuff's 1/K does not
+    // renormalize the staleness weights.
+    assert!((want - 6.0).abs() > 0.2);
+}
+
+#[test]
+fn a_round_below_its_minimum_completion_is_refused_at_the_deadline() {
+    let mut a = agg(AggregatorConfig {
+        round_size: 4,
+        min_round_senders: 2,
+        round_timeout_ns: 100,
+        ..AggregatorConfig::default()
+    });
+    a.handle_message(10, 7, delta(7, 0, 1, 0, 32, &[1.0; 4]));
+    drain(&mut a);
+    a.handle_timeout(200);
+    let outs = drain(&mut a);
+    assert_eq!(a.layer(0).unwrap().values, [1.0; 4], "nothing applied");
+    assert_eq!(a.layer(0).unwrap().version, 0);
+    let resync = outs.iter().find_map(|o| match o {
+        Output::Send {
+            to: 7,
+            msg: Message::Resync(r),
+        } => Some(*r),
+        _ => None,
+    });
+    let r = resync.expect("the sender is told");
+    assert_eq!(r.refused_seq, Some(1));
+    assert_eq!(
+        r.reason,
+        ResyncReason::RoundIncomplete {
+            senders: 1,
+            required: 2
+        }
+    );
+    // A round that reaches the minimum is applied at its deadline.
+    a.handle_message(300, 7, delta(7, 0, 2, 0, 32, &[1.0; 4]));
+    a.handle_message(301, 8, delta(8, 0, 1, 0, 32, &[3.0; 4]));
+    a.handle_timeout(500);
+    drain(&mut a);
+    assert_eq!(a.layer(0).unwrap().values, [3.0; 4]);
+}

@@ -465,6 +465,14 @@ pub enum ResyncReason {
     ShapeMismatch,
     /// The aggregator restarted from a checkpoint; versions were rewound.
     AggregatorRestarted,
+    /// A synchronous round closed at its deadline with fewer senders than its minimum
+    /// completion (FedAvg with `min_completion_rate`): no delta of it was applied.
+    RoundIncomplete {
+        /// Distinct senders the round had.
+        senders: u32,
+        /// Distinct senders it needed.
+        required: u32,
+    },
 }
 
 /// An aggregator tells a node to fetch the current version of a layer and rebase.

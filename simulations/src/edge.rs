@@ -21,6 +21,16 @@
 //! * `elastic-lossless` — `elastic` with every link replaced by a lossless, outage-free constant
 //!   link of the same nominal rate (a trace's mean rate) and latency: the reference for the
 //!   accuracy cost of the lossy links.
+//! * `fedavg-deadline` — Flower's FedAvg with a round deadline (`FaultTolerantFedAvg`): the
+//!   `blocking` rounds, aggregated at `[edge.fedavg] round_deadline_s` with whoever arrived
+//!   if at least `min_completion_rate` of the nodes did (else dropped), late updates dropped
+//!   (`τ_max = 0`). Rounds are per layer (every layer is sent at the same step, so they
+//!   close together unless a node's layers straddle the deadline).
+//! * `fedbuff` — FedBuff: every `period` steps a node sends its whole update (every layer at
+//!   the same step) and restarts from the newest global model it has received (versions
+//!   arriving during local training wait for the next cut); each aggregator buffers
+//!   `[edge.fedbuff] buffer_size` updates per layer, scales each by `1/√(1+τ)` and applies
+//!   `server_lr · (1/K) Σ s(τᵢ)Δᵢ`.
 //!
 //! # The invariant
 //! A [`ledger::Ledger`] follows every delta a node cuts. At the end every delta must have been
@@ -39,7 +49,7 @@ mod tests;
 
 pub use spec::{
     AggregatorsSpec, ChurnAction, ChurnSpec, CloudSpec, DevicesSpec, EdgeSpec, EdgeSpecError,
-    StalenessSpec, WireCodec,
+    FedAvgSpec, FedBuffSpec, StalenessSpec, WireCodec,
 };
 pub use world::{EdgeDiagnostics, SyncMode};
 
@@ -48,7 +58,13 @@ use crate::scenario::Scenario;
 use node::task::Task;
 
 /// Strategies of edge scenarios.
-pub const STRATEGIES: &[&str] = &["elastic", "blocking", "elastic-lossless"];
+pub const STRATEGIES: &[&str] = &[
+    "elastic",
+    "blocking",
+    "elastic-lossless",
+    "fedavg-deadline",
+    "fedbuff",
+];
 
 /// Runs one strategy of an edge scenario. Everything in the result is a deterministic function
 /// of the scenario and its seed (`wall_seconds` is left at 0 for the caller to fill in).
@@ -78,6 +94,8 @@ pub fn run_edge_detailed(
         "elastic" => (SyncMode::Elastic, false),
         "blocking" => (SyncMode::Blocking, false),
         "elastic-lossless" => (SyncMode::Elastic, true),
+        "fedavg-deadline" => (SyncMode::FedAvgDeadline, false),
+        "fedbuff" => (SyncMode::FedBuff, false),
         other => {
             return Err(format!(
                 "strategies: unknown edge strategy '{other}' (expected one of: {})",

@@ -10,7 +10,7 @@ use protocol::Codec;
 use serde::{Deserialize, Serialize};
 use transport::config::{TransportSection, TransportSectionError};
 
-use crate::config::AggregatorConfig;
+use crate::config::{Aggregation, AggregatorConfig};
 
 /// Identity and addresses of the aggregator process.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -64,6 +64,19 @@ pub struct AggregationSection {
     /// Outer learning rate.
     #[serde(default = "default_outer_lr")]
     pub outer_lr: f32,
+    /// How a round is combined: `mean` (staleness- and sample-weighted mean) or `fedbuff`
+    /// (the FedBuff server rule: the round's deltas weighted by s(τ), summed, divided by
+    /// their count).
+    #[serde(default = "default_rule")]
+    pub rule: String,
+    /// A round closed by its timeout with fewer distinct senders is not applied (its deltas
+    /// are refused; FedAvg's minimum completion rate). 0: every round is applied.
+    #[serde(default)]
+    pub min_round_senders: usize,
+}
+
+fn default_rule() -> String {
+    "mean".into()
 }
 
 fn default_staleness() -> String {
@@ -164,6 +177,16 @@ impl AggregatorRunConfig {
             round_timeout_ns: a.round_timeout_ms.saturating_mul(1_000_000),
             broadcast_codec: Codec::RawF32,
             send_version_on_resync: true,
+            aggregation: match a.rule.as_str() {
+                "mean" => Aggregation::WeightedMean,
+                "fedbuff" => Aggregation::Buffered,
+                other => {
+                    return Err(AggregatorConfigError::Invalid(format!(
+                        "aggregation.rule = {other:?}: use mean or fedbuff"
+                    )))
+                }
+            },
+            min_round_senders: a.min_round_senders,
         };
         config
             .validate()

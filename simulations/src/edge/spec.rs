@@ -81,6 +81,12 @@ pub struct EdgeSpec {
     /// Nodes that join late, leave, or crash and come back (`[[edge.churn]]`).
     #[serde(default)]
     pub churn: Vec<ChurnSpec>,
+    /// `fedavg-deadline`: Flower's FedAvg with a round deadline.
+    #[serde(default)]
+    pub fedavg: FedAvgSpec,
+    /// `fedbuff`: buffered asynchronous aggregation.
+    #[serde(default)]
+    pub fedbuff: FedBuffSpec,
 }
 
 /// `[edge] deadline_mode`.
@@ -190,6 +196,81 @@ fn default_outer_lr() -> f32 {
 }
 fn default_blocking_round_timeout_s() -> f64 {
     60.0
+}
+
+/// `[edge.fedavg]`: the `fedavg-deadline` strategy — synchronous FedAvg rounds as Flower's
+/// `FaultTolerantFedAvg` runs them: every node trains `period` steps from the global model and
+/// sends its update; the round is aggregated (sample-weighted mean) when every node's update
+/// arrived or at the deadline with whoever arrived, provided at least `min_completion_rate`
+/// of the nodes did (else the round is dropped and the global model stays); late updates are
+/// dropped (`τ_max = 0`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FedAvgSpec {
+    /// Seconds after a round's first update at which it is aggregated with whoever arrived
+    /// (default 10).
+    #[serde(default = "default_round_deadline_s")]
+    pub round_deadline_s: f64,
+    /// Fraction of the nodes whose updates a round needs (Flower's
+    /// `min_completion_rate_fit`, default 0.5).
+    #[serde(default = "default_min_completion_rate")]
+    pub min_completion_rate: f64,
+}
+
+impl Default for FedAvgSpec {
+    fn default() -> Self {
+        Self {
+            round_deadline_s: default_round_deadline_s(),
+            min_completion_rate: default_min_completion_rate(),
+        }
+    }
+}
+
+fn default_round_deadline_s() -> f64 {
+    10.0
+}
+fn default_min_completion_rate() -> f64 {
+    0.5
+}
+
+/// `[edge.fedbuff]`: the `fedbuff` strategy (Nguyen et al., AISTATS 2022) — every node trains
+/// `period` local steps from the newest global model it has, sends its whole update and starts
+/// again from the newest global model (versions that arrive meanwhile wait until then); the
+/// server keeps a buffer of `buffer_size` updates, each scaled by `1/√(1+τ)`, and applies
+/// `θ ← θ + server_lr · (1/K) Σ s(τᵢ)Δᵢ` when it is full.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FedBuffSpec {
+    /// Updates per buffer, K (default 3).
+    #[serde(default = "default_buffer_size")]
+    pub buffer_size: usize,
+    /// Server learning rate η_g (default 1).
+    #[serde(default = "default_server_lr")]
+    pub server_lr: f32,
+    /// A buffer not full this many seconds after its first update is applied anyway, so the
+    /// last updates of a run are not stranded (default 30).
+    #[serde(default = "default_flush_after_s")]
+    pub flush_after_s: f64,
+}
+
+impl Default for FedBuffSpec {
+    fn default() -> Self {
+        Self {
+            buffer_size: default_buffer_size(),
+            server_lr: default_server_lr(),
+            flush_after_s: default_flush_after_s(),
+        }
+    }
+}
+
+fn default_buffer_size() -> usize {
+    3
+}
+fn default_server_lr() -> f32 {
+    1.0
+}
+fn default_flush_after_s() -> f64 {
+    30.0
 }
 
 /// `[edge.devices]`: edge devices (Jetson class) on cellular or Wi-Fi links.
@@ -437,6 +518,21 @@ impl EdgeSpec {
             f64::from(self.aggregators.outer_lr),
             "edge.aggregators.outer_lr",
         )?;
+        positive_finite(self.fedavg.round_deadline_s, "edge.fedavg.round_deadline_s")?;
+        if !(0.0..=1.0).contains(&self.fedavg.min_completion_rate) {
+            return Err(spec_error(
+                "edge.fedavg.min_completion_rate",
+                format!(
+                    "must be a fraction in [0, 1], got {}",
+                    self.fedavg.min_completion_rate
+                ),
+            ));
+        }
+        if self.fedbuff.buffer_size == 0 {
+            return Err(spec_error("edge.fedbuff.buffer_size", "must be at least 1"));
+        }
+        positive_finite(f64::from(self.fedbuff.server_lr), "edge.fedbuff.server_lr")?;
+        positive_finite(self.fedbuff.flush_after_s, "edge.fedbuff.flush_after_s")?;
         let aggregator_link = resolve_link(
             &scenario.links,
             &self.aggregators.link,

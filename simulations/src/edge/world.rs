@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use cpu_aggregator::{AggEvent, AggregatorConfig, AggregatorState, OwnedLayer};
+use cpu_aggregator::{AggEvent, Aggregation, AggregatorConfig, AggregatorState, OwnedLayer};
 use edge_agent::{
     spread_phases, CacheEntry, ClientConfig, ClientEvent, CutOutcome, LayerInit, LayerSpec,
     Output as ClientOutput, SyncClient,
@@ -56,6 +56,19 @@ pub enum SyncMode {
     Elastic,
     /// Every `period` steps each node sends all layers and waits for the round of all nodes.
     Blocking,
+    /// `blocking` rounds with Flower's deadline semantics: aggregated at the deadline with
+    /// whoever arrived (if enough did), late updates dropped.
+    FedAvgDeadline,
+    /// FedBuff: whole-model updates every `period` steps, restart from the newest global
+    /// model, buffered staleness-scaled aggregation.
+    FedBuff,
+}
+
+impl SyncMode {
+    /// Whether nodes wait for their round before training on (synchronous rounds).
+    fn waits_for_round(self) -> bool {
+        matches!(self, SyncMode::Blocking | SyncMode::FedAvgDeadline)
+    }
 }
 
 /// Extra results of a run that tests and reports look at.
@@ -163,6 +176,8 @@ struct SimNode {
     version_busy: bool,
     sent_version: Vec<u64>,
     required_version: Vec<u64>,
+    /// fedbuff: the newest global version of each layer received during the local round.
+    held_versions: BTreeMap<u32, (u64, Vec<f32>)>,
     drain: BTreeSet<u32>,
     training_started_at: Option<SimTime>,
     last_step_at: SimTime,
@@ -432,26 +447,49 @@ impl<'a> World<'a> {
                     .any(|c| &c.node == *n && c.action == ChurnAction::Join)
             })
             .count();
+        let nodes_present = initially_present.max(1);
         let agg_config = AggregatorConfig {
             staleness: StalenessFn::Polynomial {
-                a: spec.staleness.a,
+                a: match mode {
+                    // FedBuff's s(τ) = 1/√(1+τ).
+                    SyncMode::FedBuff => 0.5,
+                    _ => spec.staleness.a,
+                },
             },
-            tau_max: spec.staleness.tau_max,
+            tau_max: match mode {
+                // FedAvg drops an update that arrives after its round was aggregated.
+                SyncMode::FedAvgDeadline => 0,
+                _ => spec.staleness.tau_max,
+            },
             // A blocking round averages every node: plain local SGD (η = 1).
             outer_lr: match mode {
                 SyncMode::Elastic => spec.aggregators.outer_lr,
-                SyncMode::Blocking => 1.0,
+                SyncMode::Blocking | SyncMode::FedAvgDeadline => 1.0,
+                SyncMode::FedBuff => spec.fedbuff.server_lr,
             },
             round_size: match mode {
                 SyncMode::Elastic => spec.aggregators.round_size,
-                SyncMode::Blocking => initially_present.max(1),
+                SyncMode::Blocking | SyncMode::FedAvgDeadline => nodes_present,
+                SyncMode::FedBuff => spec.fedbuff.buffer_size,
             },
             round_timeout_ns: match mode {
                 SyncMode::Elastic => (spec.aggregators.round_timeout_ms * 1e6) as u64,
                 SyncMode::Blocking => (spec.aggregators.blocking_round_timeout_s * 1e9) as u64,
+                SyncMode::FedAvgDeadline => (spec.fedavg.round_deadline_s * 1e9) as u64,
+                SyncMode::FedBuff => (spec.fedbuff.flush_after_s * 1e9) as u64,
             },
             broadcast_codec: spec.broadcast_codec.codec(),
             send_version_on_resync: true,
+            aggregation: match mode {
+                SyncMode::FedBuff => Aggregation::Buffered,
+                _ => Aggregation::WeightedMean,
+            },
+            min_round_senders: match mode {
+                SyncMode::FedAvgDeadline => {
+                    (spec.fedavg.min_completion_rate * nodes_present as f64).ceil() as usize
+                }
+                _ => 0,
+            },
         };
         let mut aggs = Vec::with_capacity(n_aggs);
         let mut agg_nominal = Vec::with_capacity(n_aggs);
@@ -545,8 +583,9 @@ impl<'a> World<'a> {
             // Blocking rounds acknowledge a delta only when the round of every node is
             // applied, so a blocking attempt may wait for the whole round.
             let round_wait_s = match mode {
-                SyncMode::Elastic => 0.0,
+                SyncMode::Elastic | SyncMode::FedBuff => 0.0,
                 SyncMode::Blocking => spec.aggregators.blocking_round_timeout_s,
+                SyncMode::FedAvgDeadline => spec.fedavg.round_deadline_s,
             };
             let deadline_ns = ((spec.deadline_ms / 1e3 + nominal_s + round_wait_s) * 1e9) as u64;
             let mut outage_ends: Vec<SimTime> = if lossless {
@@ -597,6 +636,7 @@ impl<'a> World<'a> {
                 version_busy: false,
                 sent_version: vec![0; layers.len()],
                 required_version: vec![0; layers.len()],
+                held_versions: BTreeMap::new(),
                 drain: BTreeSet::new(),
                 training_started_at: None,
                 last_step_at: SimTime::ZERO,
@@ -670,6 +710,7 @@ impl<'a> World<'a> {
         if self.mode == SyncMode::Elastic {
             spread_phases(&mut specs);
         }
+        // Blocking, FedAvg and FedBuff send the whole model at the same step.
         specs
     }
 
@@ -1134,6 +1175,19 @@ impl<'a> World<'a> {
                     layer_id,
                     version,
                     values,
+                } if self.mode == SyncMode::FedBuff
+                    && self.nodes[node].status == Status::Training =>
+                {
+                    // FedBuff trains a local round on the model it started from; the newest
+                    // version waits for the round's end.
+                    self.nodes[node]
+                        .held_versions
+                        .insert(layer_id, (version, values));
+                }
+                ClientOutput::ApplyVersion {
+                    layer_id,
+                    version,
+                    values,
                 } => self.apply_version(node, layer_id, version, &values),
                 ClientOutput::Event(e) => self.on_client_event(node, e),
             }
@@ -1339,9 +1393,18 @@ impl<'a> World<'a> {
             self.fatal = Some(format!("{}: step {step}: {e}", n.name));
             return;
         }
-        if self.mode == SyncMode::Blocking && !due.is_empty() && step < self.max_steps {
+        if self.mode.waits_for_round() && !due.is_empty() && step < self.max_steps {
             self.nodes[node].status = Status::Waiting;
             self.after_node_activity(node);
+        } else if self.mode == SyncMode::FedBuff && !due.is_empty() {
+            // The cut is out: start the next local round from the newest global model.
+            self.after_node_activity(node);
+            let held = std::mem::take(&mut self.nodes[node].held_versions);
+            for (layer_id, (version, values)) in held {
+                self.apply_version(node, layer_id, version, &values);
+            }
+            self.after_node_activity(node);
+            self.start_step(node);
         } else {
             self.after_node_activity(node);
             self.start_step(node);
