@@ -388,17 +388,23 @@ fn print_table(s: &SimSummary) {
             );
         }
         if let Some(chosen) = r.plan_candidates.iter().find(|c| c.chosen) {
-            let best_paper = r
-                .plan_candidates
-                .iter()
-                .find(|c| c.schedule == engine::plan::ScheduleKind::Profiled && c.delay == 1);
+            let best_paper = r.plan_candidates.iter().find(|c| {
+                c.schedule == engine::plan::ScheduleKind::Profiled
+                    && c.delay == 1
+                    && !c.whole_groups
+            });
             println!(
-                "  {:<16} configuration search: {} schedule, {} phase groups, delay {} \
+                "  {:<16} configuration search: {} schedule, {} phase groups, delay {}, {} \
                  (modelled step {:.2} ms{}; {} candidates in summary.json)",
                 r.strategy,
                 chosen.schedule,
                 chosen.groups,
                 chosen.delay,
+                if chosen.whole_groups {
+                    "one exchange per group"
+                } else {
+                    "DDP bucket caps"
+                },
                 chosen.step_s * 1e3,
                 best_paper.map_or(String::new(), |p| format!(
                     ", the paper's profiled/delay 1: {:.2} ms",

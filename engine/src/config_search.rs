@@ -25,13 +25,15 @@
 //! each at the later of the compute stream and the link (its backlog counts).
 //!
 //! [`search`] evaluates the profiled DFS and the equal splits into `H, H − 1, …, 1` phase
-//! groups, each with every delay `1..=max(1, H − 1)` (or the configured ones), and keeps the
+//! groups, each with every delay `1..=max(1, H − 1)` (or the configured ones) and with the
+//! configured bucket caps or one exchange per phase group, and keeps the
 //! candidate with the shortest modelled step; among candidates within [`TIE_TOLERANCE`] of
 //! it, the one with the smallest delay, then the most phase groups (the least stale and the
 //! closest to the paper) wins.
 
 use serde::{Deserialize, Serialize};
 
+use crate::bucket::BucketCaps;
 use crate::model::LayerInfo;
 use crate::plan::{PlanConfig, PlanError, ScheduleKind, Strategy, SyncPlan};
 use crate::schedule::ModelProfile;
@@ -50,6 +52,10 @@ pub struct Candidate {
     pub groups: u64,
     /// Steps from an average's launch to its landing.
     pub delay: u64,
+    /// Whether each phase group is one exchange (`true`) or split at PyTorch DDP's bucket
+    /// caps (`false`, the configured caps).
+    #[serde(default)]
+    pub whole_groups: bool,
     /// Modelled mean step seconds.
     pub step_s: f64,
     /// Whether the search chose it.
@@ -142,30 +148,50 @@ pub fn search(
         Some(d) => vec![d],
         None => (1..=h.saturating_sub(1).max(1)).collect(),
     };
+    // One exchange per phase group pays the per-message latency once; the configured caps
+    // let the first buckets of a group leave earlier in backward.
+    let whole = BucketCaps {
+        first_cap_bytes: usize::MAX,
+        cap_bytes: usize::MAX,
+        alone_over_bytes: usize::MAX,
+    };
     let mut built: Vec<(SyncPlan, Candidate)> = Vec::new();
     let mut first_error = None;
     for &delay in &delays {
         for &(schedule, groups) in &schedules {
-            let mut c = config.clone();
-            c.schedule = schedule;
-            c.groups = groups;
-            c.delay = Some(delay);
-            match SyncPlan::new(model, units_forward, &c, Some(profile)) {
-                Ok(plan) => {
-                    let step_s = modelled_step_time(&plan, profile, comm);
-                    built.push((
-                        plan,
-                        Candidate {
-                            schedule,
-                            groups: groups.unwrap_or(h),
-                            delay,
-                            step_s,
-                            chosen: false,
-                        },
-                    ));
+            for whole_groups in [false, true] {
+                let mut c = config.clone();
+                c.schedule = schedule;
+                c.groups = groups;
+                c.delay = Some(delay);
+                if whole_groups {
+                    c.bucket_caps = whole;
                 }
-                Err(e) => {
-                    first_error.get_or_insert(e);
+                match SyncPlan::new(model, units_forward, &c, Some(profile)) {
+                    Ok(plan) => {
+                        if whole_groups
+                            && plan.buckets().len()
+                                == built.last().map_or(0, |b| b.0.buckets().len())
+                        {
+                            // The caps split nothing: the same plan as the previous candidate.
+                            continue;
+                        }
+                        let step_s = modelled_step_time(&plan, profile, comm);
+                        built.push((
+                            plan,
+                            Candidate {
+                                schedule,
+                                groups: groups.unwrap_or(h),
+                                delay,
+                                whole_groups,
+                                step_s,
+                                chosen: false,
+                            },
+                        ));
+                    }
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
                 }
             }
         }

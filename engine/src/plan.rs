@@ -709,15 +709,20 @@ impl SyncPlan {
         if let Some(candidates) = &self.search {
             let _ = writeln!(
                 out,
-                "configuration search (modelled mean step time per schedule, phase groups, delay):"
+                "configuration search (modelled mean step time per schedule, phase groups, delay, exchanges per group):"
             );
             for c in candidates {
                 let _ = writeln!(
                     out,
-                    "  {:<8} {} groups  delay {}  {:>9.3} ms{}",
+                    "  {:<8} {} groups  delay {}  {:<13} {:>9.3} ms{}",
                     c.schedule.name(),
                     c.groups,
                     c.delay,
+                    if c.whole_groups {
+                        "1 exchange"
+                    } else {
+                        "bucket caps"
+                    },
                     c.step_s * 1e3,
                     if c.chosen { "  <- chosen" } else { "" }
                 );
