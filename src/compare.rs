@@ -23,7 +23,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
                 paper: true,
             }))
             .collect(),
-        Some(list) => list.split(',').map(Variant::parse).collect::<Result<_>>()?,
+        Some(list) => list
+            .split(',')
+            .map(|name| simulations::clusters::parse_strategy(name).map_err(anyhow::Error::from))
+            .collect::<Result<_>>()?,
     };
     let r = resolve(args)?;
     let out_dir = args.out.clone().unwrap_or_else(|| {
@@ -70,9 +73,15 @@ fn print_table(reports: &[RunReport]) {
     } else {
         "val loss"
     };
+    let w = reports
+        .iter()
+        .map(|r| r.strategy.len())
+        .max()
+        .unwrap_or(0)
+        .max(10);
     println!();
     println!(
-        "{:<10} {:>9} {:>12} {:>10} {:>11} {:>14} {:>8}",
+        "{:<w$} {:>9} {:>12} {:>10} {:>11} {:>14} {:>8}",
         "strategy", metric_name, "bytes", "vs ssgd", "ms/step", "speedup/ssgd", "wall s"
     );
     for r in reports {
@@ -88,7 +97,7 @@ fn print_table(reports: &[RunReport]) {
             _ => ("-".into(), "-".into()),
         };
         println!(
-            "{:<10} {:>9} {:>12} {:>10} {:>11.2} {:>14} {:>8.1}",
+            "{:<w$} {:>9} {:>12} {:>10} {:>11.2} {:>14} {:>8.1}",
             r.strategy,
             metric,
             human_bytes(r.bytes_sent),

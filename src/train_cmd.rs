@@ -257,55 +257,9 @@ fn parse_overrides(s: &str) -> Result<Vec<(String, u64)>> {
         .collect()
 }
 
-/// What `train --compare` runs: a strategy, or the paper's fixed DreamDDP configuration.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Variant {
-    /// The strategy.
-    pub strategy: Strategy,
-    /// `dreamddp-paper`: the profiled DFS schedule and delay 1, whatever the flags say.
-    pub paper: bool,
-}
-
-/// Name of the paper's DreamDDP configuration in `--strategies`.
-pub const DREAMDDP_PAPER: &str = "dreamddp-paper";
-
-impl Variant {
-    /// Parses a strategy name or `dreamddp-paper`.
-    pub fn parse(name: &str) -> Result<Self> {
-        if name.trim().eq_ignore_ascii_case(DREAMDDP_PAPER) {
-            return Ok(Self {
-                strategy: Strategy::DreamDdp,
-                paper: true,
-            });
-        }
-        let strategy = name
-            .trim()
-            .parse::<Strategy>()
-            .map_err(|e| anyhow!("{e} (or {DREAMDDP_PAPER})"))?;
-        Ok(Self {
-            strategy,
-            paper: false,
-        })
-    }
-
-    /// The name in reports.
-    pub fn name(self) -> &'static str {
-        if self.paper {
-            DREAMDDP_PAPER
-        } else {
-            self.strategy.name()
-        }
-    }
-}
-
-impl From<Strategy> for Variant {
-    fn from(strategy: Strategy) -> Self {
-        Self {
-            strategy,
-            paper: false,
-        }
-    }
-}
+/// What `train --compare` runs: a strategy, or the paper's fixed DreamDDP configuration
+/// (`dreamddp-paper`), named as the simulator names them.
+pub use simulations::clusters::SimStrategy as Variant;
 
 /// Builds the sync plan of `r` for `variant` (profiling the model when the schedule needs it).
 pub fn plan_for(r: &Resolved, variant: impl Into<Variant>) -> Result<SyncPlan> {

@@ -397,6 +397,15 @@ impl SimStrategy {
     }
 }
 
+impl From<Strategy> for SimStrategy {
+    fn from(strategy: Strategy) -> Self {
+        Self {
+            strategy,
+            paper: false,
+        }
+    }
+}
+
 /// Parses a strategy name of this simulation.
 pub fn parse_strategy(name: &str) -> Result<SimStrategy, ClustersError> {
     let unknown = || ClustersError::UnknownStrategy {
