@@ -25,6 +25,9 @@ pub struct LayerSpec {
     pub deadline_ns: u64,
     /// Aggregator that owns the layer.
     pub owner: NodeId,
+    /// Hard staleness bound `T_ℓ`: cut the layer at the first step end at least this many
+    /// steps after its last cut, whatever its phase ([`crate::early_sync`]). `None`: off.
+    pub max_stale_steps: Option<u64>,
 }
 
 impl LayerSpec {
@@ -89,6 +92,9 @@ pub struct ClientConfig {
     /// How attempt deadlines are chosen: each layer's `deadline_ns`, or adapted to observed
     /// delta→ack times ([`crate::deadline`]).
     pub deadline_policy: crate::deadline::DeadlinePolicy,
+    /// Drift trigger: cut a layer early when the cosine of its progress since the last cut
+    /// with its last delta falls below this ([`crate::early_sync`]). `None`: off.
+    pub drift_cosine: Option<f32>,
 }
 
 impl Default for ClientConfig {
@@ -99,6 +105,7 @@ impl Default for ClientConfig {
             flush_interval_ns: 1_000_000_000,
             first_seq: 1,
             deadline_policy: crate::deadline::DeadlinePolicy::Fixed,
+            drift_cosine: None,
         }
     }
 }

@@ -141,6 +141,7 @@ mod tests {
             phase: 0,
             deadline_ns: 10 * MS,
             owner: 9,
+            max_stale_steps: None,
         };
         let config = ClientConfig {
             max_attempts: 2,

@@ -55,6 +55,7 @@ fn spec() -> LayerSpec {
         phase: 0,
         deadline_ns: DEADLINE,
         owner: AGG,
+        max_stale_steps: None,
     }
 }
 

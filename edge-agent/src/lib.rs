@@ -23,6 +23,7 @@ pub mod cache;
 pub mod config;
 pub mod deadline;
 pub mod durable_cache;
+pub mod early_sync;
 pub mod error;
 pub mod runtime;
 pub mod state;

@@ -47,6 +47,7 @@ use protocol::{
 use crate::cache::CacheEntry;
 use crate::config::{ClientConfig, LayerInit, LayerSpec, NodeId};
 use crate::deadline::{AckTimes, DeadlinePolicy};
+use crate::early_sync::{progress_cosine, CutReason, MIN_STEPS_FOR_DRIFT};
 use crate::error::ClientError;
 
 /// Codec of messages sent from the cache: lossless, so a retransmission carries exactly the
@@ -228,6 +229,10 @@ pub struct ClientCounters {
     pub versions_applied: u64,
     /// Acks matching nothing outstanding.
     pub stale_acks: u64,
+    /// Cuts made before their phase by the staleness bound `T_ℓ`.
+    pub cuts_forced_stale: u64,
+    /// Cuts made before their phase by the drift trigger.
+    pub cuts_forced_drift: u64,
 }
 
 /// Read-only view of a layer's in-flight message.
@@ -272,6 +277,10 @@ struct LayerSync {
     cut_scratch: Vec<f32>,
     version: u64,
     samples_since_cut: u64,
+    /// Step ends since the last cut (early sync's staleness bound).
+    steps_since_cut: u64,
+    /// The last delta cut, kept for the drift trigger only when it is on.
+    last_delta: Option<Vec<f32>>,
     in_flight: Option<InFlight>,
     /// Sorted by seq.
     cache: Vec<CacheSlot>,
@@ -362,6 +371,8 @@ impl SyncClient {
                 spec: init.spec,
                 version: init.version,
                 samples_since_cut: 0,
+                steps_since_cut: 0,
+                last_delta: None,
                 in_flight: None,
                 cache: Vec::new(),
                 resync_target: None,
@@ -481,6 +492,28 @@ impl SyncClient {
             .map(|l| l.spec.layer_id)
     }
 
+    /// The layers whose values [`Self::on_step_end`] may read at the end of step `step`: the
+    /// layers due by their phase and those an early trigger may cut ([`crate::early_sync`];
+    /// with the drift trigger on, every layer that could be cut). Drivers read exactly these.
+    pub fn layers_to_read(&self, step: u64) -> Vec<u32> {
+        self.layers
+            .iter()
+            .filter(|l| {
+                let could_cut_early = l.resync_target.is_none()
+                    && !l.in_flight.as_ref().is_some_and(|f| !f.from_cache)
+                    && (l
+                        .spec
+                        .max_stale_steps
+                        .is_some_and(|t| l.steps_since_cut + 1 >= t.max(1))
+                        || (self.config.drift_cosine.is_some()
+                            && l.last_delta.is_some()
+                            && l.steps_since_cut + 1 >= MIN_STEPS_FOR_DRIFT));
+                l.spec.is_due(step) || could_cut_early
+            })
+            .map(|l| l.spec.layer_id)
+            .collect()
+    }
+
     /// Next queued output.
     pub fn poll_output(&mut self) -> Option<Output> {
         self.outputs.pop_front()
@@ -500,8 +533,9 @@ impl SyncClient {
     }
 
     /// End of training step `step` (which trained on `samples` samples): counts the samples
-    /// for every layer, then cuts every layer due at this step, reading its current values
-    /// from `theta(layer_id)`. Stops at the first layer whose values have the wrong length
+    /// for every layer, then cuts every layer due at this step or cut early by a trigger
+    /// ([`crate::early_sync`]), reading its current values from `theta(layer_id)` (called
+    /// only for [`Self::layers_to_read`]). Stops at the first layer whose values have the wrong length
     /// (layers before it were cut).
     pub fn on_step_end<'v>(
         &mut self,
@@ -512,14 +546,55 @@ impl SyncClient {
     ) -> Result<(), ClientError> {
         for l in &mut self.layers {
             l.samples_since_cut = l.samples_since_cut.saturating_add(samples);
+            l.steps_since_cut = l.steps_since_cut.saturating_add(1);
         }
         for li in 0..self.layers.len() {
-            if self.layers[li].spec.is_due(step) {
-                let id = self.layers[li].spec.layer_id;
-                self.cut_layer(now, step, id, theta(id))?;
+            let id = self.layers[li].spec.layer_id;
+            let reason = if self.layers[li].spec.is_due(step) {
+                Some(CutReason::Scheduled)
+            } else {
+                self.early_cut_reason(li, theta(id))
+            };
+            let Some(reason) = reason else {
+                continue;
+            };
+            let outcome = self.cut_layer(now, step, id, theta(id))?;
+            if reason != CutReason::Scheduled
+                && matches!(outcome, CutOutcome::Sent(_) | CutOutcome::Cached(_))
+            {
+                match reason {
+                    CutReason::Staleness => self.counters.cuts_forced_stale += 1,
+                    CutReason::Drift => self.counters.cuts_forced_drift += 1,
+                    CutReason::Scheduled => {}
+                }
             }
         }
         Ok(())
+    }
+
+    /// Whether layer index `li`, not due by its phase, must be cut now ([`crate::early_sync`]).
+    fn early_cut_reason(&self, li: usize, theta: &[f32]) -> Option<CutReason> {
+        let l = &self.layers[li];
+        if l.resync_target.is_some()
+            || l.samples_since_cut == 0
+            || l.in_flight.as_ref().is_some_and(|f| !f.from_cache)
+        {
+            return None;
+        }
+        if l.spec
+            .max_stale_steps
+            .is_some_and(|t| l.steps_since_cut >= t.max(1))
+        {
+            return Some(CutReason::Staleness);
+        }
+        let threshold = self.config.drift_cosine?;
+        let last = l.last_delta.as_ref()?;
+        if l.steps_since_cut < MIN_STEPS_FOR_DRIFT || theta.len() != l.anchor.len() {
+            return None;
+        }
+        progress_cosine(theta, &l.anchor, last)
+            .filter(|&c| c < f64::from(threshold))
+            .map(|_| CutReason::Drift)
     }
 
     /// Cuts a delta of one layer now (also usable outside the period, e.g. by a drift
@@ -563,6 +638,10 @@ impl SyncClient {
             }
             self.next_seq += 1;
             l.samples_since_cut = 0;
+            l.steps_since_cut = 0;
+            if self.config.drift_cosine.is_some() {
+                l.last_delta = Some(delta.clone());
+            }
             let mut entry = CacheEntry {
                 layer_id,
                 seq,
@@ -650,6 +729,10 @@ impl SyncClient {
         }
         self.next_seq += 1;
         l.samples_since_cut = 0;
+        l.steps_since_cut = 0;
+        if self.config.drift_cosine.is_some() {
+            l.last_delta = Some(sent.clone());
+        }
         self.counters.deltas_sent += 1;
         self.counters.bytes_sent += payload.payload.len() as u64;
         let deadline = now.saturating_add(attempt_deadline_ns(&self.config.deadline_policy, l));

@@ -156,6 +156,17 @@ pub struct SyncSection {
     /// is 1 GiB; the backlog itself lives on disk).
     #[serde(default = "default_cache_capacity_mb")]
     pub cache_capacity_mb: u64,
+    /// Hard staleness bound `T_ℓ` in steps: a layer not cut for this many steps is cut at
+    /// the next step end whatever its phase (`edge_agent::early_sync`). Absent: off.
+    #[serde(default)]
+    pub max_stale_steps: Option<u64>,
+    /// Per-layer staleness bounds by layer name (steps), overriding `max_stale_steps`.
+    #[serde(default)]
+    pub max_stale_steps_by_layer: HashMap<String, u64>,
+    /// Drift trigger: a layer whose progress since its last cut has cosine below this with
+    /// its last delta is cut early (-1 … 1). Absent: off.
+    #[serde(default)]
+    pub drift_cosine: Option<f32>,
 }
 
 fn default_deadline_mode() -> String {
@@ -446,6 +457,22 @@ impl NodeRunConfig {
         }
         if let Err(why) = parse_delta_codec(&s.codec) {
             return Err(invalid("sync.codec", s.codec.clone(), &why));
+        }
+        if s.max_stale_steps == Some(0) || s.max_stale_steps_by_layer.values().any(|&t| t == 0) {
+            return Err(invalid(
+                "sync.max_stale_steps",
+                "0".into(),
+                "must be at least 1 step (leave it out to turn the bound off)",
+            ));
+        }
+        if let Some(c) = s.drift_cosine {
+            if !(-1.0..=1.0).contains(&c) {
+                return Err(invalid(
+                    "sync.drift_cosine",
+                    c.to_string(),
+                    "must be a cosine between -1 and 1",
+                ));
+            }
         }
         self.transport.to_config()?;
         if self.node.name.is_empty() {

@@ -464,7 +464,7 @@ impl SyncDriver {
         let layers = &self.layers;
         let by_id = &self.by_id;
         let mut values: HashMap<u32, Vec<f32>> = HashMap::new();
-        for id in self.client.due_layers(step).collect::<Vec<_>>() {
+        for id in self.client.layers_to_read(step) {
             if let Some(&i) = by_id.get(&id) {
                 let theta = read_unit(model, layers[i].model_index, UnitData::Values);
                 let theta = match (&self.top_k, self.client.anchor(id)) {

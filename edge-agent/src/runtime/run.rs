@@ -260,6 +260,12 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
                 .unwrap_or(config.sync.deadline_ms)
                 * 1_000_000,
             owner: owners.get(&l.layer_id).copied().unwrap_or(0),
+            max_stale_steps: config
+                .sync
+                .max_stale_steps_by_layer
+                .get(&l.name)
+                .copied()
+                .or(config.sync.max_stale_steps),
         })
         .collect();
     spread_phases(&mut specs);
@@ -281,6 +287,7 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
             .sync
             .deadline_policy()
             .map_err(|e| NodeRunError::Config(e.to_string()))?,
+        drift_cosine: config.sync.drift_cosine,
     };
     let mut client = SyncClient::new(config.node.id, inits, client_config)
         .map_err(|e| NodeRunError::Training(e.to_string()))?;

@@ -116,6 +116,7 @@ mod tests {
             phase: 0,
             deadline_ns: 1_000,
             owner: 9,
+            max_stale_steps: None,
         };
         let config = ClientConfig {
             max_attempts: 1,

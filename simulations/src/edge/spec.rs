@@ -81,6 +81,13 @@ pub struct EdgeSpec {
     /// Nodes that join late, leave, or crash and come back (`[[edge.churn]]`).
     #[serde(default)]
     pub churn: Vec<ChurnSpec>,
+    /// `elastic`: hard staleness bound `T_ℓ` in steps for every layer (`edge_agent::early_sync`;
+    /// absent: off).
+    #[serde(default)]
+    pub max_stale_steps: Option<u64>,
+    /// `elastic`: drift trigger, the cosine below which a layer is cut early (absent: off).
+    #[serde(default)]
+    pub drift_cosine: Option<f32>,
     /// `fedavg-deadline`: Flower's FedAvg with a round deadline.
     #[serde(default)]
     pub fedavg: FedAvgSpec,
@@ -519,6 +526,20 @@ impl EdgeSpec {
             "edge.aggregators.outer_lr",
         )?;
         positive_finite(self.fedavg.round_deadline_s, "edge.fedavg.round_deadline_s")?;
+        if self.max_stale_steps == Some(0) {
+            return Err(spec_error(
+                "edge.max_stale_steps",
+                "must be at least 1 step (leave it out to turn the bound off)",
+            ));
+        }
+        if let Some(c) = self.drift_cosine {
+            if !(-1.0..=1.0).contains(&c) {
+                return Err(spec_error(
+                    "edge.drift_cosine",
+                    format!("must be a cosine between -1 and 1, got {c}"),
+                ));
+            }
+        }
         if !(0.0..=1.0).contains(&self.fedavg.min_completion_rate) {
             return Err(spec_error(
                 "edge.fedavg.min_completion_rate",

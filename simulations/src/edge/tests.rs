@@ -302,3 +302,35 @@ fn builtin_edge_scenarios_resolve() {
         }
     }
 }
+
+#[test]
+fn the_early_sync_triggers_reach_the_clients() {
+    // period 2 in the tiny scenario; a staleness bound of 1 step cuts every layer at every
+    // step end it can, so more deltas (and bytes) go out than on the schedule alone.
+    let base = tiny(LOSSY, "");
+    let mut bounded = tiny(LOSSY, "");
+    bounded.edge.as_mut().unwrap().max_stale_steps = Some(1);
+    let (a, da) = run(&base, "elastic");
+    let (b, db) = run(&bounded, "elastic");
+    assert!(
+        db.ledger.cut > da.ledger.cut,
+        "staleness bound: {} cuts vs {} on the schedule",
+        db.ledger.cut,
+        da.ledger.cut
+    );
+    assert!(b.bytes_sent > a.bytes_sent);
+    assert_eq!(b.undelivered_deltas, 0);
+    // The drift trigger looks at a layer from 2 steps after its cut: give it a period of 8.
+    let mut long = tiny(LOSSY, "");
+    long.period = 8;
+    let mut drift = long.clone();
+    drift.edge.as_mut().unwrap().drift_cosine = Some(0.99);
+    let (_, dl) = run(&long, "elastic");
+    let (_, dd) = run(&drift, "elastic");
+    assert!(
+        dd.ledger.cut > dl.ledger.cut,
+        "a drift threshold of 0.99 fires: {} cuts vs {}",
+        dd.ledger.cut,
+        dl.ledger.cut
+    );
+}

@@ -705,6 +705,12 @@ impl<'a> World<'a> {
                 phase: 0,
                 deadline_ns: self.nodes[node].deadline_ns,
                 owner: AGG_WIRE_BASE + l.owner as u64,
+                // The early triggers belong to the elastic schedule; the peers' rounds are
+                // whole-model at fixed steps.
+                max_stale_steps: self
+                    .spec
+                    .max_stale_steps
+                    .filter(|_| self.mode == SyncMode::Elastic),
             })
             .collect();
         if self.mode == SyncMode::Elastic {
@@ -737,6 +743,10 @@ impl<'a> World<'a> {
             flush_interval_ns: (self.spec.flush_interval_ms * 1e6) as u64,
             first_seq: self.nodes[node].durable_next_seq,
             deadline_policy: self.spec.deadline_mode.policy(),
+            drift_cosine: self
+                .spec
+                .drift_cosine
+                .filter(|_| self.mode == SyncMode::Elastic),
         };
         SyncClient::new(self.nodes[node].wire, inits, config)
             .map_err(|e| format!("{}: sync client: {e}", self.nodes[node].name))
@@ -1382,7 +1392,7 @@ impl<'a> World<'a> {
             return;
         };
         let due: Vec<u32> = client.due_layers(step).collect();
-        for &id in &due {
+        for id in client.layers_to_read(step) {
             let index = self.layers[id as usize].model_index;
             replica.values_into(index, &mut self.scratch[id as usize]);
         }
