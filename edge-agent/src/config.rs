@@ -28,6 +28,10 @@ pub struct LayerSpec {
     /// Hard staleness bound `T_ℓ`: cut the layer at the first step end at least this many
     /// steps after its last cut, whatever its phase ([`crate::early_sync`]). `None`: off.
     pub max_stale_steps: Option<u64>,
+    /// Rows of the matrix view of the layer for a low-rank codec (`powersgd:R`): the weight's
+    /// output dimension, so the flat `[weight, bias]` reads as the weight's own rows plus a
+    /// bias row. `None`: `⌈√len⌉` rows.
+    pub matrix_rows: Option<u32>,
 }
 
 impl LayerSpec {

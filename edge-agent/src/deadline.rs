@@ -142,6 +142,7 @@ mod tests {
             deadline_ns: 10 * MS,
             owner: 9,
             max_stale_steps: None,
+            matrix_rows: None,
         };
         let config = ClientConfig {
             max_attempts: 2,

@@ -56,6 +56,7 @@ fn spec() -> LayerSpec {
         deadline_ns: DEADLINE,
         owner: AGG,
         max_stale_steps: None,
+        matrix_rows: None,
     }
 }
 

@@ -17,6 +17,7 @@ fn client(max_stale_steps: Option<u64>, drift_cosine: Option<f32>) -> SyncClient
         deadline_ns: 1_000_000_000,
         owner: 9,
         max_stale_steps,
+        matrix_rows: None,
     };
     let config = ClientConfig {
         drift_cosine,

@@ -718,7 +718,14 @@ impl SyncClient {
             seq,
             sample_count,
         };
-        let payload = payload_from_f32(meta, &l.spec.shape, &delta, self.config.delta_codec)?;
+        let codec = match self.config.delta_codec {
+            Codec::LowRank { rows: 0, rank } => Codec::LowRank {
+                rows: l.spec.matrix_rows.unwrap_or(0),
+                rank,
+            },
+            codec => codec,
+        };
+        let payload = payload_from_f32(meta, &l.spec.shape, &delta, codec)?;
         let sent = if payload.codec.base() == Codec::RawF32 {
             delta
         } else {

@@ -40,6 +40,10 @@ pub fn plain_encoded_len(codec: Codec, len: u64) -> Option<u64> {
         Codec::RawF32 => len.checked_mul(4),
         Codec::F16 | Codec::Bf16 => len.checked_mul(2),
         Codec::TopK { k } => Some(u64::from(k) * 8),
+        Codec::LowRank { rows, rank } => {
+            let (rows, cols) = crate::lowrank::matrix_dims(len, rows);
+            crate::lowrank::encoded_len(rows, cols, u64::from(rank))
+        }
         // `base()` never returns a zstd variant.
         _ => None,
     }
@@ -103,6 +107,13 @@ pub fn encode(values: &[f32], codec: Codec) -> Result<Encoded, CodecError> {
                 out.extend_from_slice(&bf16::from_f32(v).to_le_bytes())
             }),
         },
+        Codec::LowRank { rows, rank } => {
+            let (rows, rank, bytes) = crate::lowrank::encode(values, rows, rank);
+            Encoded {
+                codec: Codec::LowRank { rows, rank },
+                bytes,
+            }
+        }
         Codec::TopK { k } => {
             check_addressable(values.len(), k)?;
             let mut order = Vec::new();
@@ -278,6 +289,7 @@ fn decode_plain(bytes: &[u8], codec: Codec, len: u64) -> Result<Vec<f32>, CodecE
             .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect()),
         Codec::TopK { k } => decode_top_k(bytes, k as usize, len),
+        Codec::LowRank { rows, rank } => crate::lowrank::decode(bytes, rows, rank, len),
         wrapped => Err(CodecError::Zstd(format!(
             "internal: codec {wrapped:?} reached the plain decoder"
         ))),

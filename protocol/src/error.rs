@@ -103,6 +103,21 @@ pub enum CodecError {
         /// Bytes present.
         actual: u64,
     },
+    /// Low-rank factors whose rows or rank do not fit the element count.
+    #[error(
+        "low-rank payload with {rows} rows and rank {rank} for {len} elements: {why}; drop it \
+         and ask for a resync"
+    )]
+    BadLowRank {
+        /// Rows declared.
+        rows: u32,
+        /// Rank declared.
+        rank: u32,
+        /// Element count of the shape.
+        len: u64,
+        /// What is wrong.
+        why: &'static str,
+    },
     /// The declared element count is above the decode limit; nothing was allocated.
     #[error(
         "tensor of {len} elements exceeds the decode limit of {max} elements: split the layer \

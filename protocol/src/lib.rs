@@ -12,6 +12,7 @@
 //! * [`codec`] — tensor codecs: raw f32, f16, bf16, top-k with error feedback
 //!   ([`TopKCompressor`]), and a zstd wrap kept only when it shrinks
 //!   ([`maybe_compress`]).
+//! * [`lowrank`] — the PowerSGD-style rank-r layout of [`Codec::LowRank`].
 //! * [`error`] — typed errors ([`FrameError`], [`CodecError`]).
 //!
 //! Everything that reads bytes from a peer returns a typed error on bad input
@@ -32,6 +33,7 @@
 pub mod codec;
 pub mod error;
 pub mod frame;
+pub mod lowrank;
 pub mod message;
 
 #[cfg(test)]

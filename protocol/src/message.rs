@@ -43,6 +43,15 @@ pub enum Codec {
         /// Number of entries kept.
         k: u32,
     },
+    /// Rank-`rank` factors of the values read as a `rows`-row matrix (PowerSGD-style; see
+    /// [`crate::lowrank`]). `rows = 0` when encoding: `⌈√len⌉`; the payload's codec carries
+    /// the rows and rank actually used.
+    LowRank {
+        /// Rows of the matrix view.
+        rows: u32,
+        /// Rank of the factors.
+        rank: u32,
+    },
 }
 
 impl Codec {

@@ -20,6 +20,7 @@ pub fn arb_codec() -> impl Strategy<Value = Codec> {
         Just(Codec::ZstdF16),
         Just(Codec::ZstdBf16),
         any::<u32>().prop_map(|k| Codec::ZstdTopK { k }),
+        (any::<u32>(), any::<u32>()).prop_map(|(rows, rank)| Codec::LowRank { rows, rank }),
     ]
 }
 

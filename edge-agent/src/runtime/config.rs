@@ -136,7 +136,8 @@ pub struct SyncSection {
     #[serde(default = "default_attempts")]
     pub max_attempts: u32,
     /// Codec of fresh deltas: `raw-f32`, `f16`, `bf16`, `zstd-f32`, `zstd-f16`, `zstd-bf16`,
-    /// or `topk:F` (each delta carries only the `ceil(F · len)` largest-magnitude elements of
+    /// `powersgd:R` (rank-R factors of each delta read as a ⌈√len⌉-row matrix, with error
+    /// feedback), or `topk:F` (each delta carries only the `ceil(F · len)` largest-magnitude elements of
     /// each layer, `0 < F ≤ 1`, with error feedback; see [`DeltaCodec::TopK`]).
     #[serde(default = "default_codec")]
     pub codec: String,
@@ -345,7 +346,9 @@ impl DeltaCodec {
     }
 }
 
-/// Parses `sync.codec`: a dense codec name ([`parse_codec`]) or `topk:F` with `0 < F ≤ 1`.
+/// Parses `sync.codec`: a dense codec name ([`parse_codec`]), `topk:F` with `0 < F ≤ 1`, or
+/// `powersgd:R`: rank-R factors of each delta ([`protocol::lowrank`]; error feedback through
+/// the anchor, which advances by the decoded values).
 pub fn parse_delta_codec(name: &str) -> Result<DeltaCodec, String> {
     if let Some(fraction) = name.strip_prefix("topk:") {
         let f: f64 = fraction.trim().parse().map_err(|_| {
@@ -358,8 +361,23 @@ pub fn parse_delta_codec(name: &str) -> Result<DeltaCodec, String> {
         }
         return Ok(DeltaCodec::TopK { fraction: f });
     }
+    if let Some(rank) = name.strip_prefix("powersgd:") {
+        let r: u32 = rank.trim().parse().map_err(|_| {
+            format!(
+                "powersgd:{rank}: the rank must be a whole number from 1 to 64, e.g. powersgd:4"
+            )
+        })?;
+        if !(1..=64).contains(&r) {
+            return Err(format!(
+                "powersgd:{rank}: the rank must be from 1 to 64, e.g. powersgd:4"
+            ));
+        }
+        return Ok(DeltaCodec::Dense(Codec::LowRank { rows: 0, rank: r }));
+    }
     parse_codec(name).map(DeltaCodec::Dense).ok_or_else(|| {
-        "use raw-f32, f16, bf16, zstd-f32, zstd-f16, zstd-bf16 or topk:F (0 < F <= 1)".to_string()
+        "use raw-f32, f16, bf16, zstd-f32, zstd-f16, zstd-bf16, topk:F (0 < F <= 1) or \
+         powersgd:R (rank 1..=64)"
+            .to_string()
     })
 }
 

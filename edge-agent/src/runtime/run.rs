@@ -266,6 +266,7 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
                 .get(&l.name)
                 .copied()
                 .or(config.sync.max_stale_steps),
+            matrix_rows: None,
         })
         .collect();
     spread_phases(&mut specs);

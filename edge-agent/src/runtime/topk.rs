@@ -117,6 +117,7 @@ mod tests {
             deadline_ns: 1_000,
             owner: 9,
             max_stale_steps: None,
+            matrix_rows: None,
         };
         let config = ClientConfig {
             max_attempts: 1,

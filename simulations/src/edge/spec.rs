@@ -71,10 +71,11 @@ pub struct EdgeSpec {
     /// Staleness weighting at the aggregators (`[edge.staleness]`).
     #[serde(default)]
     pub staleness: StalenessSpec,
-    /// Codec of fresh deltas on the wire: `raw-f32` (default), `f16` or `bf16`. Cached deltas
-    /// are always retransmitted losslessly.
-    #[serde(default)]
-    pub delta_codec: WireCodec,
+    /// Codec of fresh deltas, as the edge agent's `sync.codec`: `raw-f32` (default), `f16`,
+    /// `bf16`, the `zstd-` variants, `topk:F` or `powersgd:R`. Cached deltas are always
+    /// retransmitted losslessly.
+    #[serde(default = "default_delta_codec")]
+    pub delta_codec: String,
     /// Codec of the layer versions the aggregators broadcast (default `raw-f32`).
     #[serde(default)]
     pub broadcast_codec: WireCodec,
@@ -231,6 +232,10 @@ impl Default for FedAvgSpec {
             min_completion_rate: default_min_completion_rate(),
         }
     }
+}
+
+fn default_delta_codec() -> String {
+    "raw-f32".into()
 }
 
 fn default_round_deadline_s() -> f64 {
@@ -526,6 +531,8 @@ impl EdgeSpec {
             "edge.aggregators.outer_lr",
         )?;
         positive_finite(self.fedavg.round_deadline_s, "edge.fedavg.round_deadline_s")?;
+        edge_agent::runtime::config::parse_delta_codec(&self.delta_codec)
+            .map_err(|why| spec_error("edge.delta_codec", why))?;
         if self.max_stale_steps == Some(0) {
             return Err(spec_error(
                 "edge.max_stale_steps",

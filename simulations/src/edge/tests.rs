@@ -334,3 +334,30 @@ fn the_early_sync_triggers_reach_the_clients() {
         dl.ledger.cut
     );
 }
+
+#[test]
+fn compressed_deltas_shrink_the_uplink_and_still_learn() {
+    let base = tiny(LOSSY, "");
+    let (raw, _) = run(&base, "elastic");
+    for codec in ["powersgd:2", "topk:0.05"] {
+        let mut s = tiny(LOSSY, "");
+        s.edge.as_mut().unwrap().delta_codec = codec.to_string();
+        let (r, d) = run(&s, "elastic");
+        assert_eq!(r.undelivered_deltas, 0, "{codec}: {:?}", d.ledger);
+        assert!(
+            r.bytes_sent < raw.bytes_sent,
+            "{codec}: {} bytes vs raw {}",
+            r.bytes_sent,
+            raw.bytes_sent
+        );
+        let last = r.final_accuracy.unwrap();
+        assert!(last > 0.6, "{codec}: {last}");
+    }
+    let mut bad = tiny(LOSSY, "");
+    bad.edge.as_mut().unwrap().delta_codec = "powersgd:0".into();
+    let err = run_edge(&bad, &digits_task(), "elastic", &mut |_| {}).unwrap_err();
+    assert!(
+        err.contains("edge.delta_codec") && err.contains("rank"),
+        "{err}"
+    );
+}

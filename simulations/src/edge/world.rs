@@ -16,6 +16,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use cpu_aggregator::{AggEvent, Aggregation, AggregatorConfig, AggregatorState, OwnedLayer};
+use edge_agent::runtime::config::{parse_delta_codec, DeltaCodec};
+use edge_agent::runtime::topk::TopKSparsifier;
 use edge_agent::{
     spread_phases, CacheEntry, ClientConfig, ClientEvent, CutOutcome, LayerInit, LayerSpec,
     Output as ClientOutput, SyncClient,
@@ -135,6 +137,9 @@ struct SyncLayer {
     delta_frame_bytes: u64,
     /// Frame bytes of one broadcast version.
     version_frame_bytes: u64,
+    /// Rows of the layer as a matrix for a low-rank codec: its weight's output dimension plus
+    /// one row per started row of the remaining (bias) values.
+    matrix_rows: Option<u32>,
 }
 
 struct PendingVersion {
@@ -345,6 +350,10 @@ pub struct World<'a> {
     spec: &'a EdgeSpec,
     task: &'a Task,
     mode: SyncMode,
+    /// Codec of fresh deltas (`[edge] delta_codec`).
+    delta_codec: DeltaCodec,
+    /// `topk:F`: the sparsifier applied to a layer's values before its cut.
+    top_k: Option<TopKSparsifier>,
     strategy: String,
     queue: EventQueue<Event>,
     nodes: Vec<SimNode>,
@@ -417,10 +426,21 @@ impl<'a> World<'a> {
         schedule.validate().map_err(|e| e.to_string())?;
 
         // Sync layers and their owners.
+        let delta_codec = parse_delta_codec(&spec.delta_codec)
+            .map_err(|why| format!("edge.delta_codec = {:?}: {why}", spec.delta_codec))?;
         let eval_model = task.build_model(scenario.seed);
         let n_aggs = spec.aggregators.count;
         let mut layers = Vec::new();
         for (k, info) in eval_model.layer_infos().into_iter().enumerate() {
+            // The first parameter is the weight: its trailing dimensions are one row.
+            let row_len: usize = eval_model.layers[info.index]
+                .layer
+                .params()
+                .first()
+                .map_or(0, |p| p.shape.iter().skip(1).product());
+            let matrix_rows = (row_len > 1)
+                .then(|| u32::try_from(info.params.div_ceil(row_len)).ok())
+                .flatten();
             layers.push(SyncLayer {
                 id: k as u32,
                 model_index: info.index,
@@ -429,10 +449,11 @@ impl<'a> World<'a> {
                 owner: k % n_aggs,
                 delta_frame_bytes: 0,
                 version_frame_bytes: 0,
+                matrix_rows,
             });
         }
         for l in &mut layers {
-            l.delta_frame_bytes = delta_frame_bytes(l, spec.delta_codec.codec())?;
+            l.delta_frame_bytes = delta_frame_bytes(l, delta_codec.wire_codec())?;
             l.version_frame_bytes = delta_frame_bytes(l, spec.broadcast_codec.codec())?;
         }
 
@@ -650,6 +671,8 @@ impl<'a> World<'a> {
             spec,
             task,
             mode,
+            top_k: delta_codec.top_k_fraction().map(TopKSparsifier::new),
+            delta_codec,
             strategy: strategy.to_string(),
             queue: EventQueue::new(),
             nodes,
@@ -711,6 +734,7 @@ impl<'a> World<'a> {
                     .spec
                     .max_stale_steps
                     .filter(|_| self.mode == SyncMode::Elastic),
+                matrix_rows: l.matrix_rows,
             })
             .collect();
         if self.mode == SyncMode::Elastic {
@@ -739,7 +763,7 @@ impl<'a> World<'a> {
             .collect();
         let config = ClientConfig {
             max_attempts: self.spec.max_attempts,
-            delta_codec: self.spec.delta_codec.codec(),
+            delta_codec: self.delta_codec.wire_codec(),
             flush_interval_ns: (self.spec.flush_interval_ms * 1e6) as u64,
             first_seq: self.nodes[node].durable_next_seq,
             deadline_policy: self.spec.deadline_mode.policy(),
@@ -1395,6 +1419,16 @@ impl<'a> World<'a> {
         for id in client.layers_to_read(step) {
             let index = self.layers[id as usize].model_index;
             replica.values_into(index, &mut self.scratch[id as usize]);
+            // topk:F hands the client `anchor + topk(θ − anchor)`, as the edge agent does.
+            if let (Some(top_k), Some(anchor)) = (&self.top_k, client.anchor(id)) {
+                match top_k.sparsify(&self.scratch[id as usize], anchor) {
+                    Ok(sparse) => self.scratch[id as usize] = sparse,
+                    Err(e) => {
+                        self.fatal = Some(format!("{}: top-k of layer {id}: {e}", n.name));
+                        return;
+                    }
+                }
+            }
         }
         let scratch = &self.scratch;
         if let Err(e) = client.on_step_end(now.as_nanos(), step, samples, |id| {
