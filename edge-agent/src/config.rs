@@ -99,6 +99,10 @@ pub struct ClientConfig {
     /// Drift trigger: cut a layer early when the cosine of its progress since the last cut
     /// with its last delta falls below this ([`crate::early_sync`]). `None`: off.
     pub drift_cosine: Option<f32>,
+    /// Learning-rate damping by staleness: a layer that has gone `s` of its periods without
+    /// a new global version trains at `lr · base^s` ([`crate::SyncClient::lr_scale`], e.g.
+    /// 0.9). `None`: off.
+    pub lr_damping: Option<f32>,
 }
 
 impl Default for ClientConfig {
@@ -110,6 +114,7 @@ impl Default for ClientConfig {
             first_seq: 1,
             deadline_policy: crate::deadline::DeadlinePolicy::Fixed,
             drift_cosine: None,
+            lr_damping: None,
         }
     }
 }

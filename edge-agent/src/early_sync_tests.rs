@@ -122,3 +122,44 @@ fn the_drift_trigger_cuts_when_progress_turns_against_the_last_delta() {
     end_step(&mut off, 9, &[2.0; LEN]);
     assert_eq!(end_step(&mut off, 10, &[0.0; LEN]), 0);
 }
+
+#[test]
+fn the_learning_rate_is_damped_by_the_periods_without_a_new_version() {
+    let mut c = SyncClient::new(
+        1,
+        vec![LayerInit {
+            spec: LayerSpec {
+                layer_id: 0,
+                name: "fc".into(),
+                shape: vec![LEN as u32],
+                period_steps: 4,
+                phase: 3,
+                deadline_ns: 1_000_000_000,
+                owner: 9,
+                max_stale_steps: None,
+                matrix_rows: None,
+            },
+            values: vec![0.0; LEN],
+            version: 0,
+        }],
+        ClientConfig {
+            lr_damping: Some(0.9),
+            ..ClientConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(c.lr_scale(0), 1.0);
+    for s in 0..4 {
+        end_step(&mut c, s, &[0.0; LEN]);
+    }
+    assert!((c.lr_scale(0) - 0.9).abs() < 1e-6, "{}", c.lr_scale(0));
+    for s in 4..8 {
+        end_step(&mut c, s, &[0.0; LEN]);
+    }
+    assert!((c.lr_scale(0) - 0.81).abs() < 1e-6);
+    let mut theta = [0.0; LEN];
+    assert!(c.apply_version(0, &mut theta, &[1.0; LEN], 1).unwrap());
+    assert_eq!(c.lr_scale(0), 1.0, "a new version resets the staleness");
+    assert_eq!(c.lr_scale(77), 1.0, "unknown layers are not damped");
+    assert_eq!(client(None, None).lr_scale(0), 1.0, "off by default");
+}

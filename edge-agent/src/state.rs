@@ -279,6 +279,8 @@ struct LayerSync {
     samples_since_cut: u64,
     /// Step ends since the last cut (early sync's staleness bound).
     steps_since_cut: u64,
+    /// Step ends since a global version was last applied (learning-rate damping).
+    steps_since_version: u64,
     /// The last delta cut, kept for the drift trigger only when it is on.
     last_delta: Option<Vec<f32>>,
     in_flight: Option<InFlight>,
@@ -372,6 +374,7 @@ impl SyncClient {
                 version: init.version,
                 samples_since_cut: 0,
                 steps_since_cut: 0,
+                steps_since_version: 0,
                 last_delta: None,
                 in_flight: None,
                 cache: Vec::new(),
@@ -514,6 +517,18 @@ impl SyncClient {
             .collect()
     }
 
+    /// The learning-rate factor of layer `layer_id` for the next step: `base^s` with `s` the
+    /// whole periods the layer has trained since it last applied a global version, when
+    /// [`ClientConfig::lr_damping`] is `base`; 1 otherwise (and for unknown layers).
+    pub fn lr_scale(&self, layer_id: u32) -> f32 {
+        let (Some(base), Some(&li)) = (self.config.lr_damping, self.index.get(&layer_id)) else {
+            return 1.0;
+        };
+        let l = &self.layers[li];
+        let stale = l.steps_since_version / l.spec.period_steps.max(1);
+        engine::staleness::lr_damping(base, stale)
+    }
+
     /// Next queued output.
     pub fn poll_output(&mut self) -> Option<Output> {
         self.outputs.pop_front()
@@ -547,6 +562,7 @@ impl SyncClient {
         for l in &mut self.layers {
             l.samples_since_cut = l.samples_since_cut.saturating_add(samples);
             l.steps_since_cut = l.steps_since_cut.saturating_add(1);
+            l.steps_since_version = l.steps_since_version.saturating_add(1);
         }
         for li in 0..self.layers.len() {
             let id = self.layers[li].spec.layer_id;
@@ -952,6 +968,7 @@ impl SyncClient {
         rebase(theta_now, &l.cut_scratch, global, &mut l.anchor)?;
         l.version = version;
         l.resync_target = None;
+        l.steps_since_version = 0;
         self.counters.versions_applied += 1;
         Ok(true)
     }

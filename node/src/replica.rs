@@ -114,9 +114,16 @@ impl Replica {
 
     /// Applies the optimizer to every unit and counts the step.
     pub fn step_all(&mut self) {
+        self.step_all_scaled(&|_| 1.0);
+    }
+
+    /// [`Self::step_all`] with unit `i`'s learning rate multiplied by `scale(i)` (per-layer
+    /// damping by staleness).
+    pub fn step_all_scaled(&mut self, scale: &dyn Fn(usize) -> f32) {
         let lr = self.lr();
         for &i in &self.units {
-            self.net.with_unit(i, &mut |u| u.step(lr));
+            let lr_i = lr * scale(i);
+            self.net.with_unit(i, &mut |u| u.step(lr_i));
         }
         self.steps += 1;
     }

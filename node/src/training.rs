@@ -36,6 +36,20 @@ pub trait LeaderHook: Send {
     fn should_stop(&self) -> bool {
         false
     }
+
+    /// Per-layer learning-rate factors for the next step, `(model layer index, factor)`
+    /// (e.g. damping by staleness); layers not listed keep factor 1. Every worker uses them.
+    fn lr_scales(&self) -> Vec<(usize, f32)> {
+        Vec::new()
+    }
+}
+
+/// The factor of layer `index` in `scales` (1 when absent).
+fn scale_of(scales: &[(usize, f32)], index: usize) -> f32 {
+    scales
+        .iter()
+        .find(|(i, _)| *i == index)
+        .map_or(1.0, |(_, f)| *f)
 }
 
 /// How a node trains.
@@ -159,6 +173,7 @@ pub fn run_node_training(
     )?);
     let barrier = Arc::new(Barrier::new(config.workers));
     let broadcast: Arc<Broadcast> = Arc::new(Mutex::new(Vec::new()));
+    let scales: Arc<Mutex<Vec<(usize, f32)>>> = Arc::new(Mutex::new(Vec::new()));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let samples_per_step = (config.batch_size * config.workers) as u64;
 
@@ -170,12 +185,14 @@ pub fn run_node_training(
             let collective = Arc::clone(&collective);
             let barrier = Arc::clone(&barrier);
             let broadcast = Arc::clone(&broadcast);
+            let scales = Arc::clone(&scales);
             let stop = Arc::clone(&stop);
             let steps = config.steps;
             handles.push(scope.spawn(move || -> Result<Vec<f32>, NodeTrainError> {
                 let _guard = AbortOnPanic::new(collective.as_ref(), rank);
+                let mut my_scales = Vec::new();
                 for step in 0..steps {
-                    train_step(&mut replica, collective.as_ref(), rank, step)?;
+                    train_step(&mut replica, collective.as_ref(), rank, step, &my_scales)?;
                     barrier.wait();
                     barrier.wait();
                     {
@@ -183,6 +200,7 @@ pub fn run_node_training(
                         for (index, values) in published.iter() {
                             replica.set_layer_values(*index, values);
                         }
+                        my_scales.clone_from(&scales.lock().unwrap_or_else(|p| p.into_inner()));
                     }
                     barrier.wait();
                     if stop.load(std::sync::atomic::Ordering::SeqCst) {
@@ -197,8 +215,9 @@ pub fn run_node_training(
         let mut losses = std::collections::VecDeque::with_capacity(50);
         let mut result: Result<(), NodeTrainError> = Ok(());
         let mut done = 0;
+        let mut leader_scales: Vec<(usize, f32)> = Vec::new();
         for step in 0..config.steps {
-            let loss = match train_step(&mut leader, collective.as_ref(), 0, step) {
+            let loss = match train_step(&mut leader, collective.as_ref(), 0, step, &leader_scales) {
                 Ok(l) => l,
                 Err(e) => {
                     result = Err(e);
@@ -215,6 +234,13 @@ pub fn run_node_training(
             }
             let changed = hook.after_step(done, samples_per_step, leader.net.as_mut());
             let stop_now = changed.is_err() || hook.should_stop();
+            leader_scales = hook.lr_scales();
+            if config.workers > 1 {
+                scales
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone_from(&leader_scales);
+            }
             if config.workers > 1 {
                 let mut published = broadcast.lock().unwrap_or_else(|p| p.into_inner());
                 published.clear();
@@ -276,6 +302,7 @@ fn train_step(
     collective: &dyn Collective,
     rank: usize,
     step: u64,
+    scales: &[(usize, f32)],
 ) -> Result<f32, NodeTrainError> {
     let loss = w
         .forward_backward()
@@ -298,7 +325,11 @@ fn train_step(
             off += len;
         }
     }
-    w.step_all();
+    if scales.is_empty() {
+        w.step_all();
+    } else {
+        w.step_all_scaled(&|i| scale_of(scales, i));
+    }
     Ok(loss)
 }
 
@@ -406,5 +437,68 @@ mod tests {
         let mut bad = config(2, 1);
         bad.world = 1;
         assert!(run_node_training(&task, &bad, &[], &mut hook).is_err());
+    }
+    /// Freezes every layer but the first after step 2 (learning-rate factor 0).
+    struct FreezingHook {
+        frozen: Vec<(usize, f32)>,
+        step: u64,
+    }
+
+    impl LeaderHook for FreezingHook {
+        fn after_step(
+            &mut self,
+            step: u64,
+            _samples: u64,
+            _model: &mut dyn ModelReplica,
+        ) -> Result<Vec<usize>, String> {
+            self.step = step;
+            Ok(Vec::new())
+        }
+        fn lr_scales(&self) -> Vec<(usize, f32)> {
+            if self.step >= 2 {
+                self.frozen.clone()
+            } else {
+                Vec::new()
+            }
+        }
+    }
+
+    #[test]
+    fn the_hooks_learning_rate_factors_reach_every_worker() {
+        let task = digits_task();
+        let model = task.build_model(3);
+        let infos = model.layer_infos();
+        let frozen: Vec<(usize, f32)> = infos[1..].iter().map(|i| (i.index, 0.0)).collect();
+        let mut hook = FreezingHook {
+            frozen: frozen.clone(),
+            step: 0,
+        };
+        let (two_steps, _) = run_node_training(&task, &config(2, 2), &[], &mut hook).unwrap();
+        assert_eq!(two_steps.steps, 2);
+        let mut hook = FreezingHook { frozen, step: 0 };
+        let (report, model_after) =
+            run_node_training(&task, &config(2, 12), &[], &mut hook).unwrap();
+        // Every worker used the factors: the replicas stayed identical.
+        assert_eq!(report.replica_divergence, 0.0);
+        // The frozen layers moved only in the first two steps: their values after 12 steps
+        // equal those of a 2-step run.
+        let mut hook = FreezingHook {
+            frozen: Vec::new(),
+            step: 0,
+        };
+        let (_, model_2) = run_node_training(&task, &config(2, 2), &[], &mut hook).unwrap();
+        let mut model_after = model_after;
+        let mut model_2 = model_2;
+        for info in &infos[1..] {
+            let a = read_unit(model_after.as_mut(), info.index, UnitData::Values);
+            let b = read_unit(model_2.as_mut(), info.index, UnitData::Values);
+            assert_eq!(a, b, "layer {} moved while frozen", info.name);
+        }
+        let first = infos[0].index;
+        assert_ne!(
+            read_unit(model_after.as_mut(), first, UnitData::Values),
+            read_unit(model_2.as_mut(), first, UnitData::Values),
+            "the unfrozen layer trained on"
+        );
     }
 }

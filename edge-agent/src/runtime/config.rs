@@ -168,6 +168,10 @@ pub struct SyncSection {
     /// its last delta is cut early (-1 … 1). Absent: off.
     #[serde(default)]
     pub drift_cosine: Option<f32>,
+    /// Learning-rate damping by staleness: a layer `s` periods without a new global version
+    /// trains at `lr · lr_damping^s` (e.g. 0.9). Absent: off.
+    #[serde(default)]
+    pub lr_damping: Option<f32>,
 }
 
 fn default_deadline_mode() -> String {
@@ -482,6 +486,15 @@ impl NodeRunConfig {
                 "0".into(),
                 "must be at least 1 step (leave it out to turn the bound off)",
             ));
+        }
+        if let Some(b) = s.lr_damping {
+            if !(b > 0.0 && b <= 1.0) {
+                return Err(invalid(
+                    "sync.lr_damping",
+                    b.to_string(),
+                    "must be a factor in (0, 1], e.g. 0.9",
+                ));
+            }
         }
         if let Some(c) = s.drift_cosine {
             if !(-1.0..=1.0).contains(&c) {

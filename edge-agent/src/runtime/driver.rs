@@ -508,4 +508,12 @@ impl LeaderHook for SyncDriver {
     fn should_stop(&self) -> bool {
         self.fatal.is_some()
     }
+
+    fn lr_scales(&self) -> Vec<(usize, f32)> {
+        self.layers
+            .iter()
+            .map(|l| (l.model_index, self.client.lr_scale(l.layer_id)))
+            .filter(|&(_, f)| f != 1.0)
+            .collect()
+    }
 }

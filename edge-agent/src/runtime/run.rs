@@ -289,6 +289,7 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
             .deadline_policy()
             .map_err(|e| NodeRunError::Config(e.to_string()))?,
         drift_cosine: config.sync.drift_cosine,
+        lr_damping: config.sync.lr_damping,
     };
     let mut client = SyncClient::new(config.node.id, inits, client_config)
         .map_err(|e| NodeRunError::Training(e.to_string()))?;

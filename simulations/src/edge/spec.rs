@@ -89,6 +89,10 @@ pub struct EdgeSpec {
     /// `elastic`: drift trigger, the cosine below which a layer is cut early (absent: off).
     #[serde(default)]
     pub drift_cosine: Option<f32>,
+    /// `elastic`: learning-rate damping by staleness, `lr · base^s` for a layer `s` periods
+    /// without a new global version (absent: off).
+    #[serde(default)]
+    pub lr_damping: Option<f32>,
     /// `fedavg-deadline`: Flower's FedAvg with a round deadline.
     #[serde(default)]
     pub fedavg: FedAvgSpec,
@@ -538,6 +542,14 @@ impl EdgeSpec {
                 "edge.max_stale_steps",
                 "must be at least 1 step (leave it out to turn the bound off)",
             ));
+        }
+        if let Some(b) = self.lr_damping {
+            if !(b > 0.0 && b <= 1.0) {
+                return Err(spec_error(
+                    "edge.lr_damping",
+                    format!("must be a factor in (0, 1], got {b}"),
+                ));
+            }
         }
         if let Some(c) = self.drift_cosine {
             if !(-1.0..=1.0).contains(&c) {

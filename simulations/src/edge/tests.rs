@@ -361,3 +361,18 @@ fn compressed_deltas_shrink_the_uplink_and_still_learn() {
         "{err}"
     );
 }
+
+#[test]
+fn learning_rate_damping_reaches_the_replicas() {
+    let base = tiny(HOSTILE, "");
+    let mut damped = tiny(HOSTILE, "");
+    damped.edge.as_mut().unwrap().lr_damping = Some(0.5);
+    let (a, _) = run(&base, "elastic");
+    let (b, d) = run(&damped, "elastic");
+    assert_eq!(b.undelivered_deltas, 0, "{:?}", d.ledger);
+    assert_ne!(
+        a.series.last().unwrap().loss,
+        b.series.last().unwrap().loss,
+        "damping changed nothing"
+    );
+}

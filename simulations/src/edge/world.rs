@@ -771,6 +771,10 @@ impl<'a> World<'a> {
                 .spec
                 .drift_cosine
                 .filter(|_| self.mode == SyncMode::Elastic),
+            lr_damping: self
+                .spec
+                .lr_damping
+                .filter(|_| self.mode == SyncMode::Elastic),
         };
         SyncClient::new(self.nodes[node].wire, inits, config)
             .map_err(|e| format!("{}: sync client: {e}", self.nodes[node].name))
@@ -1407,7 +1411,18 @@ impl<'a> World<'a> {
             self.fatal = Some(format!("{}: step {}: {e}", n.name, n.steps + 1));
             return;
         }
-        replica.step_all();
+        match (self.spec.lr_damping, n.client.as_ref()) {
+            (Some(_), Some(client)) if self.mode == SyncMode::Elastic => {
+                let layers = &self.layers;
+                replica.step_all_scaled(&|index| {
+                    layers
+                        .iter()
+                        .find(|l| l.model_index == index)
+                        .map_or(1.0, |l| client.lr_scale(l.id))
+                });
+            }
+            _ => replica.step_all(),
+        }
         n.steps = replica.steps;
         n.last_step_at = now;
         let step = n.steps;
