@@ -503,7 +503,7 @@ impl SyncClient {
             .iter()
             .filter(|l| {
                 let could_cut_early = l.resync_target.is_none()
-                    && !l.in_flight.as_ref().is_some_and(|f| !f.from_cache)
+                    && l.in_flight.as_ref().is_none_or(|f| f.from_cache)
                     && (l
                         .spec
                         .max_stale_steps
