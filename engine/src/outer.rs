@@ -216,8 +216,10 @@ mod tests {
 
     #[test]
     fn bad_settings_are_named() {
-        let mut c = OuterConfig::default();
-        c.momentum = 1.0;
+        let mut c = OuterConfig {
+            momentum: 1.0,
+            ..OuterConfig::default()
+        };
         assert_eq!(c.validate().unwrap_err().what, "outer_momentum");
         c = OuterConfig {
             lr: f32::NAN,
