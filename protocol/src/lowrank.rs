@@ -48,6 +48,24 @@ fn pseudo_random(seed: u64, i: u64) -> f32 {
     ((x >> 40) as f32 / (1u64 << 23) as f32) - 1.0
 }
 
+/// Calls `f(i, j, m)` for every non-zero element `m = at(i, j)` of a `rows × cols` matrix, row
+/// by row (both products of the encoder skip the zero padding and zero deltas this way).
+fn for_each_nonzero(
+    rows: usize,
+    cols: usize,
+    at: &dyn Fn(usize, usize) -> f32,
+    mut f: impl FnMut(usize, usize, f32),
+) {
+    for i in 0..rows {
+        for j in 0..cols {
+            let m = at(i, j);
+            if m != 0.0 {
+                f(i, j, m);
+            }
+        }
+    }
+}
+
 /// Factors `values` (see the module doc); returns `(rows, rank, bytes)`.
 pub fn encode(values: &[f32], rows: u32, rank: u32) -> (u32, u32, Vec<u8>) {
     let len = values.len() as u64;
@@ -68,16 +86,11 @@ pub fn encode(values: &[f32], rows: u32, rank: u32) -> (u32, u32, Vec<u8>) {
         .map(|i| pseudo_random(seed, i as u64))
         .collect();
     let mut p = vec![0.0f32; rows_n * r];
-    for i in 0..rows_n {
-        for j in 0..cols_n {
-            let m = at(i, j);
-            if m != 0.0 {
-                for k in 0..r {
-                    p[i * r + k] += m * q0[j * r + k];
-                }
-            }
+    for_each_nonzero(rows_n, cols_n, &at, |i, j, m| {
+        for k in 0..r {
+            p[i * r + k] += m * q0[j * r + k];
         }
-    }
+    });
     // Orthonormalize P's columns (modified Gram–Schmidt; a column that (nearly) vanishes
     // against the earlier ones adds no direction and is zeroed, keeping P·Pᵀ a projection).
     for k in 0..r {
@@ -108,16 +121,11 @@ pub fn encode(values: &[f32], rows: u32, rank: u32) -> (u32, u32, Vec<u8>) {
     }
     // Q = Mᵀ · P.
     let mut q = vec![0.0f32; cols_n * r];
-    for i in 0..rows_n {
-        for j in 0..cols_n {
-            let m = at(i, j);
-            if m != 0.0 {
-                for k in 0..r {
-                    q[j * r + k] += m * p[i * r + k];
-                }
-            }
+    for_each_nonzero(rows_n, cols_n, &at, |i, j, m| {
+        for k in 0..r {
+            q[j * r + k] += m * p[i * r + k];
         }
-    }
+    });
     let mut bytes = Vec::with_capacity((p.len() + q.len()) * 4);
     for v in p.iter().chain(&q) {
         bytes.extend_from_slice(&v.to_le_bytes());
