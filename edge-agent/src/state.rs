@@ -566,15 +566,16 @@ impl SyncClient {
         }
         for li in 0..self.layers.len() {
             let id = self.layers[li].spec.layer_id;
+            let values = theta(id);
             let reason = if self.layers[li].spec.is_due(step) {
                 Some(CutReason::Scheduled)
             } else {
-                self.early_cut_reason(li, theta(id))
+                self.early_cut_reason(li, values)
             };
             let Some(reason) = reason else {
                 continue;
             };
-            let outcome = self.cut_layer(now, step, id, theta(id))?;
+            let outcome = self.cut_layer(now, step, id, values)?;
             if reason != CutReason::Scheduled
                 && matches!(outcome, CutOutcome::Sent(_) | CutOutcome::Cached(_))
             {
