@@ -13,27 +13,29 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use cpu_aggregator::server::config::{AggregationSection, AggregatorNodeSection};
-use cpu_aggregator::server::shard_file;
+use cpu_aggregator::server::config::AggregatorNodeSection;
 use cpu_aggregator::server::AggregatorRunConfig;
-use cpu_aggregator::{AggregatorConfig, AggregatorState};
 use edge_agent::runtime::config::{NodeSection, SyncSection, TrainingSection};
+use edge_agent::runtime::pacing::PaceSection;
 use edge_agent::runtime::NodeRunConfig;
-use node::cluster_model::{read_toml, ModelSection};
+use node::cluster_model::read_toml;
 use node::layout::sync_layout;
-use relay::{spawn_relay, RelayConfig, RelayHandle, RelayLinkSpec};
-use serde::{Deserialize, Serialize};
+use relay::{spawn_relay, RelayConfig, RelayHandle};
+use serde::Serialize;
 use tokio::process::{Child, Command};
 use transport::config::TransportSection;
 
+use crate::cluster_file::{edge_transport, validate, ChaosEvent, ClusterFile, EdgeRelay};
 use crate::cluster_health;
+use crate::global_model::{read_global, ShardSource};
 
 use crate::coordinator_cmd::{CoordinatorFile, CoordinatorNodeSection};
 
 /// Flags of `cluster`.
 #[derive(Args, Debug, Clone)]
 pub struct ClusterArgs {
-    /// The cluster file (see `examples/cluster-lossy.toml`).
+    /// The cluster file (see `examples/cluster-lossy.toml`), or an edge-kind scenario (a
+    /// file with `kind = "edge"`, or a built-in name such as `default`) run as real processes.
     pub file: PathBuf,
     /// Output directory (default `cluster-out/<name>`); emptied first.
     #[arg(long)]
@@ -58,245 +60,16 @@ pub struct ClusterArgs {
     /// Seed of the random kill instants.
     #[arg(long, default_value_t = 1)]
     pub kill_seed: u64,
-}
-
-/// The cluster file.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClusterFile {
-    /// Cluster-wide settings.
-    pub cluster: ClusterSection,
-    /// The model every process trains.
-    pub model: ModelSection,
-    /// Defaults of every trainer.
-    pub training: TrainingDefaults,
-    /// Cross-site sync of every trainer.
-    #[serde(default)]
-    pub sync: SyncSection,
-    /// Averaging on every aggregator.
-    #[serde(default)]
-    pub aggregation: AggregationSection,
-    /// Aggregator processes.
-    pub aggregators: Vec<NamedProcess>,
-    /// Worker node processes.
-    #[serde(default)]
-    pub workers: Vec<WorkerProcess>,
-    /// Edge agent processes.
-    #[serde(default)]
-    pub edges: Vec<EdgeProcess>,
-    /// Processes to `kill -9` and restart.
-    #[serde(default)]
-    pub chaos: Vec<ChaosEvent>,
-}
-
-/// `[cluster]`.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClusterSection {
-    /// Name (default output directory `cluster-out/<name>`).
-    pub name: String,
-    /// Shared join token.
-    #[serde(default = "default_credentials")]
-    pub credentials: String,
-    /// Lease length, milliseconds.
-    #[serde(default = "default_lease")]
-    pub lease_ms: u64,
-    /// Give up after this many seconds.
-    #[serde(default = "default_timeout")]
-    pub timeout_s: u64,
-}
-
-fn default_credentials() -> String {
-    "dreamddp-local-cluster".into()
-}
-fn default_lease() -> u64 {
-    10_000
-}
-fn default_timeout() -> u64 {
-    900
-}
-
-/// `[training]`: defaults of every trainer.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TrainingDefaults {
-    /// Steps.
-    pub steps: u64,
-    /// Per-worker batch.
-    #[serde(default = "default_batch")]
-    pub batch_size: usize,
-    /// Learning rate.
-    #[serde(default = "default_lr")]
-    pub lr: f32,
-    /// Local evaluation interval.
-    #[serde(default = "default_eval_every")]
-    pub eval_every: u64,
-    /// Test examples per local evaluation.
-    #[serde(default = "default_eval_limit")]
-    pub eval_limit: usize,
-}
-
-fn default_batch() -> usize {
-    32
-}
-fn default_lr() -> f32 {
-    0.05
-}
-fn default_eval_every() -> u64 {
-    200
-}
-fn default_eval_limit() -> usize {
-    1000
-}
-
-/// `[[aggregators]]`.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NamedProcess {
-    /// Node name.
-    pub name: String,
-}
-
-/// `[[workers]]`.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WorkerProcess {
-    /// Node name.
-    pub name: String,
-    /// Local workers.
-    #[serde(default = "two")]
-    pub workers: usize,
-    /// Compute backend: `builtin` (default) or `tch` (needs a `--features tch` build).
-    #[serde(default)]
-    pub backend: Option<String>,
-    /// Device of the tch backend: `cpu` (default) or `cuda:N`.
-    #[serde(default)]
-    pub device: Option<String>,
-}
-
-fn two() -> usize {
-    2
-}
-
-/// `[[edges]]`.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EdgeProcess {
-    /// Node name.
-    pub name: String,
-    /// A lossy relay between this edge and every aggregator.
-    #[serde(default)]
-    pub relay: Option<EdgeRelay>,
-    /// This edge's per-attempt deadline (default: `[sync] deadline_ms`).
-    #[serde(default)]
-    pub deadline_ms: Option<u64>,
-    /// This edge's delta codec (default: `[sync] codec`).
-    #[serde(default)]
-    pub codec: Option<String>,
-    /// This edge's `[transport]` keys. Without `link_mbps`/`rtt_ms` here, an edge behind a
-    /// relay gets them from the relay's link spec ([`relay_link_figures`]).
-    #[serde(default)]
-    pub transport: Option<TransportSection>,
-    /// Compute backend: `builtin` (default) or `tch`.
-    #[serde(default)]
-    pub backend: Option<String>,
-    /// Device of the tch backend: `cpu` (default) or `cuda:N`.
-    #[serde(default)]
-    pub device: Option<String>,
-}
-
-/// The link figures of an edge behind `relay`, for sizing its flow-control windows:
-/// `rtt_ms` = both directions' latency plus jitter; `link_mbps` = the faster direction's
-/// capacity (a constant `bandwidth`, or a trace's mean rate). `None` when the relay limits
-/// neither bandwidth in some direction (that direction runs at loopback speed: the default
-/// windows fit better than any product) or adds no delay.
-pub fn relay_link_figures(relay: &EdgeRelay, base_dir: &Path) -> Result<Option<(f64, f64)>> {
-    let rtt_ms =
-        relay.up.latency_ms + relay.down.latency_ms + relay.up.jitter_ms + relay.down.jitter_ms;
-    let (Some(up), Some(down)) = (
-        direction_mbps(&relay.up, base_dir)?,
-        direction_mbps(&relay.down, base_dir)?,
-    ) else {
-        return Ok(None);
-    };
-    Ok((rtt_ms > 0.0).then_some((up.max(down), rtt_ms)))
-}
-
-/// Capacity of one relay direction in Mbit/s (`None`: unlimited).
-fn direction_mbps(spec: &RelayLinkSpec, base_dir: &Path) -> Result<Option<f64>> {
-    if let Some(b) = spec.bandwidth {
-        return Ok(Some(b.bits_per_sec() as f64 / 1e6));
-    }
-    let mut spec = spec.clone();
-    spec.resolve_paths(base_dir);
-    let Some(trace) = spec.load_trace().context("relay trace")? else {
-        return Ok(None);
-    };
-    let period_s = trace.period().0 as f64 / 1e9;
-    if period_s <= 0.0 {
-        return Ok(None);
-    }
-    Ok(Some(trace.bytes_per_period() as f64 * 8.0 / period_s / 1e6))
-}
-
-/// An edge's `[transport]`: its explicit keys, with `link_mbps`/`rtt_ms` filled in from
-/// the relay in front of it (if any, and links are not clean) when not given.
-fn edge_transport(
-    edge: &EdgeProcess,
-    relay_in_use: bool,
-    base_dir: &Path,
-) -> Result<TransportSection> {
-    let mut section = edge.transport.clone().unwrap_or_default();
-    if let (Some(r), true) = (&edge.relay, relay_in_use) {
-        if section.link_mbps.is_none() && section.rtt_ms.is_none() {
-            if let Some((mbps, rtt)) = relay_link_figures(r, base_dir)? {
-                section.link_mbps = Some(mbps);
-                section.rtt_ms = Some(rtt);
-            }
-        }
-    }
-    Ok(section)
-}
-
-/// `[edges.relay]`: the link model of each direction (see `dreamddp relay`).
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EdgeRelay {
-    /// Edge → aggregator.
-    #[serde(default)]
-    pub up: RelayLinkSpec,
-    /// Aggregator → edge.
-    #[serde(default)]
-    pub down: RelayLinkSpec,
-    /// Seed of the relay's random draws.
-    #[serde(default)]
-    pub seed: u64,
-}
-
-/// `[[chaos]]`: `kill -9` a process at `at_s` seconds after the trainers started, restart it
-/// `down_s` seconds later (or never, with `restart = false`: an aggregator that is gone for
-/// good, whose layers the coordinator moves once its lease expires).
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ChaosEvent {
-    /// Node name.
-    pub kill: String,
-    /// When, seconds after the trainers started.
-    pub at_s: f64,
-    /// Restart after this many seconds.
-    #[serde(default = "default_down")]
-    pub down_s: f64,
-    /// Restart it at all.
-    #[serde(default = "default_restart")]
-    pub restart: bool,
-}
-
-fn default_restart() -> bool {
-    true
-}
-
-fn default_down() -> f64 {
-    1.0
+    /// Scenario runs: only these strategies (comma-separated; default: the scenario's).
+    #[arg(long)]
+    pub strategies: Option<String>,
+    /// Scenario runs: override the scenario's seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Scenario runs: folder holding the data sets (default: $DREAMDDP_DATA_DIR, then
+    /// ../shared/data/datasets).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
 }
 
 /// One node in `summary.json`.
@@ -329,6 +102,31 @@ pub struct NodeSummary {
     pub kills: u32,
     /// Exit status of its last run.
     pub exit: String,
+    /// Stopped on purpose at `[cluster] stop_after_s` while still training or draining.
+    pub stopped_at_end: bool,
+    /// Deltas its cache still held when it was stopped at the end (not a problem: a longer
+    /// run would deliver them).
+    pub cached_at_end: Option<u64>,
+    /// Paced steps whose real compute took longer than their paced time (`[edges.pace]`).
+    pub pace_overruns: Option<u64>,
+    /// Steps it trained (its last run).
+    pub steps: Option<u64>,
+    /// Aggregators: staleness τ of the deltas applied (`τ = 0 .. 15`, then `τ ≥ 16`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub staleness_histogram: Vec<u64>,
+}
+
+/// One evaluation of the global model during a run (`[cluster] eval_every_s`).
+#[derive(Clone, Debug, Serialize)]
+pub struct GlobalPoint {
+    /// Seconds since the trainers started.
+    pub time_s: f64,
+    /// Test accuracy (classification).
+    pub accuracy: Option<f64>,
+    /// Test loss.
+    pub loss: f64,
+    /// Bytes the relays forwarded so far, both directions, all nodes.
+    pub relay_bytes: u64,
 }
 
 /// `summary.json`.
@@ -369,6 +167,13 @@ pub struct ClusterSummary {
     pub problems: Vec<String>,
     /// What may be wrong but cannot be told from the ledgers (printed as `[WARN]`).
     pub warnings: Vec<String>,
+    /// Evaluations of the global model during the run (`[cluster] eval_every_s`).
+    pub series: Vec<GlobalPoint>,
+    /// Bytes the relays forwarded (datagram payloads, both directions, QUIC headers and
+    /// acknowledgements included) by the relayed node's link class.
+    pub relay_bytes_by_link_class: BTreeMap<String, u64>,
+    /// Seconds from the trainers' start to the end of the run (their last exit, or the stop).
+    pub trainers_seconds: f64,
 }
 
 struct Proc {
@@ -475,19 +280,19 @@ async fn aggregators_joined(status: SocketAddr) -> usize {
     })
 }
 
-/// `dreamddp cluster FILE`.
+/// `dreamddp cluster FILE` (a cluster file) or `dreamddp cluster SCENARIO` (an edge-kind
+/// scenario: a file with `kind = "edge"`, or a built-in name; see [`crate::scenario_cluster`]).
 pub fn run(args: ClusterArgs) -> Result<()> {
+    if crate::scenario_cluster::is_scenario(&args.file)? {
+        return crate::scenario_cluster::run(&args).map(|_| ());
+    }
     let mut file: ClusterFile = read_toml(&args.file)?;
     if let Some(steps) = args.steps {
         file.training.steps = steps;
     }
     file.chaos.extend(random_kills(&args));
     let base_dir = args.file.parent().unwrap_or(Path::new(".")).to_path_buf();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let summary = runtime.block_on(run_cluster(file, &args, &base_dir))?;
+    let summary = run_cluster_file(file, &args, &base_dir)?;
     print_table(&summary);
     if !summary.problems.is_empty() {
         anyhow::bail!(
@@ -497,6 +302,20 @@ pub fn run(args: ClusterArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Runs one cluster file to its end on a runtime of its own (relative trace paths resolve
+/// against `base_dir`) and returns its summary (also written to `summary.json`).
+pub fn run_cluster_file(
+    file: ClusterFile,
+    args: &ClusterArgs,
+    base_dir: &Path,
+) -> Result<ClusterSummary> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(run_cluster(file, args, base_dir))
 }
 
 /// `--kill NAME` × `--random-kills N`: seeded instants, at least 1.5 s apart per process so
@@ -526,39 +345,20 @@ fn random_kills(args: &ClusterArgs) -> Vec<ChaosEvent> {
     events
 }
 
-fn validate(file: &ClusterFile) -> Result<()> {
-    if file.aggregators.is_empty() {
-        bail!("[[aggregators]]: a cluster needs at least one aggregator");
-    }
-    if file.workers.is_empty() && file.edges.is_empty() {
-        bail!("a cluster needs at least one [[workers]] or [[edges]] entry");
-    }
-    let mut names: Vec<&str> = vec!["coordinator"];
-    names.extend(file.aggregators.iter().map(|a| a.name.as_str()));
-    names.extend(file.workers.iter().map(|w| w.name.as_str()));
-    names.extend(file.edges.iter().map(|e| e.name.as_str()));
-    for (i, n) in names.iter().enumerate() {
-        transport::validate_node_name(n).with_context(|| format!("node name {n:?}"))?;
-        if names[..i].contains(n) {
-            bail!(
-                "node name {n:?} is used twice (names must be unique; \"coordinator\" is reserved)"
-            );
-        }
-    }
-    for c in &file.chaos {
-        if !names[1..].contains(&c.kill.as_str()) {
-            bail!(
-                "[[chaos]] kill = {:?}: no aggregator, worker or edge has that name",
-                c.kill
-            );
-        }
-    }
-    for w in &file.workers {
-        if w.workers == 0 {
-            bail!("[[workers]] {}: workers must be at least 1", w.name);
-        }
-    }
-    Ok(())
+/// One trainer process to start.
+struct TrainerSpec<'a> {
+    name: String,
+    role: &'static str,
+    workers: usize,
+    relay: Option<&'a EdgeRelay>,
+    sync: SyncSection,
+    transport: TransportSection,
+    backend: Option<String>,
+    device: Option<String>,
+    batch_size: Option<usize>,
+    pace: Option<PaceSection>,
+    start_at_s: Option<f64>,
+    link_class: String,
 }
 
 async fn run_cluster(
@@ -678,29 +478,25 @@ async fn run_cluster(
     // Trainers (and the relays in front of lossy edges).
     let world: usize = file.workers.iter().map(|w| w.workers).sum::<usize>() + file.edges.len();
     let mut trainers = Vec::new();
-    let mut relays: Vec<RelayHandle> = Vec::new();
+    let mut relays: Vec<(String, RelayHandle)> = Vec::new();
     let mut rank = 0usize;
     let mut next_id = 100u64;
-    type TrainerSpec<'a> = (
-        String,
-        &'static str,
-        usize,
-        Option<&'a EdgeRelay>,
-        SyncSection,
-        TransportSection,
-        (Option<String>, Option<String>),
-    );
     let mut specs: Vec<TrainerSpec> = Vec::new();
     for w in &file.workers {
-        specs.push((
-            w.name.clone(),
-            "worker",
-            w.workers,
-            None,
-            file.sync.clone(),
-            TransportSection::default(),
-            (w.backend.clone(), w.device.clone()),
-        ));
+        specs.push(TrainerSpec {
+            name: w.name.clone(),
+            role: "worker",
+            workers: w.workers,
+            relay: None,
+            sync: file.sync.clone(),
+            transport: TransportSection::default(),
+            backend: w.backend.clone(),
+            device: w.device.clone(),
+            batch_size: None,
+            pace: None,
+            start_at_s: None,
+            link_class: "worker".into(),
+        });
     }
     for e in &file.edges {
         let mut sync = file.sync.clone();
@@ -712,21 +508,28 @@ async fn run_cluster(
         }
         let transport = edge_transport(e, !args.clean_links, base_dir)
             .with_context(|| format!("edge {}: link figures of its relay", e.name))?;
-        specs.push((
-            e.name.clone(),
-            "edge",
-            1,
-            e.relay.as_ref(),
+        specs.push(TrainerSpec {
+            name: e.name.clone(),
+            role: "edge",
+            workers: 1,
+            relay: e.relay.as_ref(),
             sync,
             transport,
-            (e.backend.clone(), e.device.clone()),
-        ));
+            backend: e.backend.clone(),
+            device: e.device.clone(),
+            batch_size: e.batch_size,
+            pace: e.pace.clone(),
+            start_at_s: e.start_at_s,
+            link_class: e.link_class.clone().unwrap_or_else(|| "edge".into()),
+        });
     }
-    for (name, role, workers, relay, sync, transport, (backend, device)) in specs {
+    let mut late_starts: Vec<(f64, String)> = Vec::new();
+    for spec in specs {
+        let name = spec.name.clone();
         let dir = node_dir(&name)?;
         let mut overrides = HashMap::new();
-        let relayed = relay.is_some() && !args.clean_links;
-        if let (Some(r), false) = (relay, args.clean_links) {
+        let relayed = spec.relay.is_some() && !args.clean_links;
+        if let (Some(r), false) = (spec.relay, args.clean_links) {
             for (j, &upstream) in agg_addrs.iter().enumerate() {
                 let mut up = r.up.clone();
                 let mut down = r.down.clone();
@@ -742,7 +545,7 @@ async fn run_cluster(
                 .await
                 .with_context(|| format!("relay for {name}"))?;
                 overrides.insert(upstream, handle.local_addr());
-                relays.push(handle);
+                relays.push((spec.link_class.clone(), handle));
             }
         }
         let cfg = NodeRunConfig {
@@ -759,37 +562,57 @@ async fn run_cluster(
                 address_overrides: overrides,
             },
             training: TrainingSection {
-                workers,
+                workers: spec.workers,
                 first_rank: rank,
                 world,
                 steps: file.training.steps,
-                batch_size: file.training.batch_size,
+                batch_size: spec.batch_size.unwrap_or(file.training.batch_size),
                 lr: file.training.lr,
                 eval_every: file.training.eval_every,
                 eval_limit: file.training.eval_limit,
-                backend: backend.unwrap_or_else(|| "builtin".into()),
-                device: device.unwrap_or_else(|| "cpu".into()),
+                backend: spec.backend.unwrap_or_else(|| "builtin".into()),
+                device: spec.device.unwrap_or_else(|| "cpu".into()),
+                optimizer: file.training.optimizer.clone(),
+                lr_schedule: file.training.lr_schedule,
+                pace: spec.pace,
             },
-            sync,
-            transport,
+            sync: spec.sync,
+            transport: spec.transport,
         };
         cfg.validate().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
         write_toml(&dir.join("config.toml"), &cfg)?;
         next_id += 1;
-        rank += workers;
+        rank += spec.workers;
         let mut p = Proc {
             name: name.clone(),
-            role,
+            role: spec.role,
             config: dir.join("config.toml"),
             log: dir.join("log.txt"),
             child: None,
             kills: 0,
             relayed,
         };
-        p.spawn()?;
+        match spec.start_at_s {
+            Some(at) if at > 0.0 => late_starts.push((at, name.clone())),
+            _ => p.spawn()?,
+        }
         trainers.push(p);
     }
     let trainers_started = Instant::now();
+    let layout_for_series = sync_layout(&task.build_model(model.seed));
+    let shard_sources = |aggregators: &[Proc]| -> Vec<ShardSource> {
+        aggregators
+            .iter()
+            .map(|p| ShardSource {
+                name: p.name.clone(),
+                data_dir: out.join(&p.name).join("data"),
+                lost: p.child.is_none(),
+            })
+            .collect()
+    };
+    let mut series: Vec<GlobalPoint> = Vec::new();
+    let mut next_eval = file.cluster.eval_every_s;
+    let mut stopped: Vec<String> = Vec::new();
 
     // Chaos and waiting for the trainers.
     let mut chaos: Vec<(ChaosEvent, bool)> =
@@ -800,6 +623,81 @@ async fn run_cluster(
     let mut exits: BTreeMap<String, String> = BTreeMap::new();
     loop {
         let elapsed = trainers_started.elapsed().as_secs_f64();
+        late_starts.retain(|(at, name)| {
+            if elapsed < *at {
+                return true;
+            }
+            if let Some(p) = trainers.iter_mut().find(|p| &p.name == name) {
+                tracing::info!("[JOIN] starting {} at {:.1} s", p.name, elapsed);
+                if let Err(e) = p.spawn() {
+                    tracing::error!("[ERROR] cannot start {}: {e:#}", p.name);
+                    exits.insert(p.name.clone(), format!("failed to start: {e}"));
+                }
+            }
+            false
+        });
+        if let Some(at) = next_eval.filter(|&at| elapsed >= at) {
+            let every = file.cluster.eval_every_s.unwrap_or(f64::INFINITY);
+            next_eval = Some(at + every);
+            let sources = shard_sources(&aggregators);
+            let (task2, layout2, seed, limit) = (
+                task.clone(),
+                layout_for_series.clone(),
+                model.seed,
+                file.training.eval_limit,
+            );
+            let relay_bytes: u64 = relays
+                .iter()
+                .map(|(_, r)| {
+                    let s = r.stats();
+                    s.up.bytes_out + s.down.bytes_out
+                })
+                .sum();
+            let eval = tokio::task::spawn_blocking(move || -> Result<(Option<f64>, f64)> {
+                let mut m = task2.build_model(seed);
+                read_global(&mut m, &layout2, &sources)?;
+                let e = task2.evaluate(&mut m, Some(limit));
+                Ok((e.accuracy, e.loss))
+            })
+            .await?;
+            match eval {
+                Ok((accuracy, loss)) => series.push(GlobalPoint {
+                    time_s: at,
+                    accuracy,
+                    loss,
+                    relay_bytes,
+                }),
+                Err(e) => tracing::warn!("[WARN] global model evaluation at {at:.0} s: {e:#}"),
+            }
+        }
+        if file.cluster.stop_after_s.is_some_and(|t| elapsed >= t) {
+            // The run's end: every trainer still running is asked to stop (SIGTERM: it ends
+            // its step, keeps its backlog in its durable cache and writes its stats).
+            let mut asked = Vec::new();
+            for p in trainers.iter_mut() {
+                if exits.contains_key(&p.name) {
+                    continue;
+                }
+                let running = p
+                    .child
+                    .as_mut()
+                    .is_some_and(|c| c.try_wait().ok().flatten().is_none());
+                if running {
+                    p.terminate();
+                    asked.push(p.name.clone());
+                } else if late_starts.iter().any(|(_, n)| *n == p.name) {
+                    exits.insert(p.name.clone(), cluster_health::NEVER_STARTED.into());
+                }
+                stopped.push(p.name.clone());
+            }
+            for p in trainers.iter_mut().filter(|p| asked.contains(&p.name)) {
+                let status = p.wait(Duration::from_secs(20)).await;
+                exits.insert(p.name.clone(), status);
+            }
+            late_starts.clear();
+            restarts.clear();
+            break;
+        }
         for (event, done) in chaos.iter_mut() {
             if *done || elapsed < event.at_s {
                 continue;
@@ -852,14 +750,18 @@ async fn run_cluster(
                 continue;
             }
             let pending_restart = restarts.iter().any(|(_, n)| *n == p.name);
+            let pending_start = late_starts.iter().any(|(_, n)| *n == p.name);
             match p.child.as_mut().map(|c| c.try_wait()) {
                 Some(Ok(Some(status))) if !pending_restart => {
                     exits.insert(p.name.clone(), status.to_string());
                 }
+                None if !pending_start && !pending_restart => {
+                    exits.insert(p.name.clone(), "not running".into());
+                }
                 _ => running += 1,
             }
         }
-        if running == 0 && restarts.is_empty() {
+        if running == 0 && restarts.is_empty() && late_starts.is_empty() {
             break;
         }
         if started.elapsed() > timeout {
@@ -877,6 +779,7 @@ async fn run_cluster(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let trainers_seconds = trainers_started.elapsed().as_secs_f64();
 
     // Let the last deltas land, snapshot the status, stop the aggregators and coordinator.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -900,9 +803,11 @@ async fn run_cluster(
     let status = coordinator.wait(Duration::from_secs(10)).await;
     exits.insert("coordinator".into(), status);
     let mut relay_dropped = 0;
-    for r in relays {
+    let mut relay_bytes_by_link_class: BTreeMap<String, u64> = BTreeMap::new();
+    for (class, r) in relays {
         let s = r.stats();
         relay_dropped += s.up.dropped.total() + s.down.dropped.total();
+        *relay_bytes_by_link_class.entry(class).or_default() += s.up.bytes_out + s.down.bytes_out;
         r.shutdown().await;
     }
 
@@ -912,34 +817,11 @@ async fn run_cluster(
     // newer version wins.
     let mut eval_model = task.build_model(model.seed);
     let layout = sync_layout(&eval_model);
-    let mut ledger = Vec::new();
-    let mut lost_ledger = Vec::new();
+    let read = read_global(&mut eval_model, &layout, &shard_sources(&aggregators))?;
+    let (mut ledger, lost_ledger) = (read.ledger, read.lost_ledger);
     let mut nodes = Vec::new();
-    let mut layer_versions: HashMap<u32, u64> = HashMap::new();
     for p in &aggregators {
         let dir = out.join(&p.name).join("data");
-        // `[[chaos]] restart = false` drops the child handle of a process it killed for good.
-        let lost = p.child.is_none();
-        if lost {
-            if let Some((_, entries)) = shard_file::read(&dir.join("shard.bin"))? {
-                lost_ledger.extend(entries);
-            }
-        } else if let Some((snapshot, entries)) = shard_file::read(&dir.join("shard.bin"))? {
-            let state = AggregatorState::restore(&snapshot, AggregatorConfig::default())
-                .map_err(|e| anyhow::anyhow!("{}: {e}", p.name))?;
-            for id in state.layer_ids() {
-                if let (Some(view), Some(def)) =
-                    (state.layer(id), layout.iter().find(|d| d.layer_id == id))
-                {
-                    let newest = layer_versions.get(&id).is_none_or(|&v| view.version > v);
-                    if newest {
-                        layer_versions.insert(id, view.version);
-                        eval_model.set_layer_values(def.model_index, view.values);
-                    }
-                }
-            }
-            ledger.extend(entries);
-        }
         let stats: serde_json::Value = std::fs::read_to_string(dir.join("stats.json"))
             .ok()
             .and_then(|t| serde_json::from_str(&t).ok())
@@ -959,9 +841,27 @@ async fn run_cluster(
             lost: cluster_health::lost_reason(&exit),
             kills: p.kills,
             exit,
+            stopped_at_end: false,
+            cached_at_end: None,
+            pace_overruns: None,
+            steps: None,
+            staleness_histogram: stats["staleness_histogram"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
+                .unwrap_or_default(),
         });
     }
     let eval = task.evaluate(&mut eval_model, None);
+    if file.cluster.eval_every_s.is_some() {
+        // The series ends with the model as it was left, evaluated like every other point.
+        let last = task.evaluate(&mut eval_model, Some(file.training.eval_limit));
+        series.push(GlobalPoint {
+            time_s: trainers_seconds,
+            accuracy: last.accuracy,
+            loss: last.loss,
+            relay_bytes: relay_bytes_by_link_class.values().sum(),
+        });
+    }
     // The global model, readable by PyTorch (`safetensors.torch.load_file`).
     let global_path = out.join("global.safetensors");
     let meta = BTreeMap::from([("dreamddp.dataset".to_string(), task.dataset.clone())]);
@@ -993,6 +893,13 @@ async fn run_cluster(
             },
         };
         let exit = exits.get(&p.name).cloned().unwrap_or_default();
+        let stopped_at_end = stopped.contains(&p.name);
+        // A trainer stopped at the run's end keeps its backlog: cached at the end, not lost.
+        let (undelivered, cached_at_end) = if stopped_at_end {
+            (Some(0), undelivered)
+        } else {
+            (undelivered, None)
+        };
         nodes.push(NodeSummary {
             name: p.name.clone(),
             role: p.role.into(),
@@ -1007,6 +914,11 @@ async fn run_cluster(
             lost: cluster_health::lost_reason(&exit),
             kills: p.kills,
             exit,
+            stopped_at_end,
+            cached_at_end,
+            pace_overruns: stats["pace"]["overruns"].as_u64(),
+            steps: stats["steps"].as_u64(),
+            staleness_histogram: Vec::new(),
         });
     }
     let mut problems = cluster_health::problems(
@@ -1060,6 +972,9 @@ async fn run_cluster(
         wall_seconds: started.elapsed().as_secs_f64(),
         problems,
         warnings,
+        series,
+        relay_bytes_by_link_class,
+        trainers_seconds,
     };
     std::fs::write(
         out.join("summary.json"),
@@ -1073,7 +988,8 @@ async fn run_cluster(
     Ok(summary)
 }
 
-fn print_table(s: &ClusterSummary) {
+/// Prints the per-node table and the clean / not-clean verdict.
+pub fn print_table(s: &ClusterSummary) {
     println!(
         "cluster {} ({}, {}): global model accuracy {} (loss {:.4}), {:.0} s wall",
         s.cluster,
@@ -1138,83 +1054,5 @@ fn print_table(s: &ClusterSummary) {
             "{} deltas applied by an aggregator lost for good, in versions the coordinator never got, were retransmitted and applied by the new owner",
             s.reapplied_after_loss
         );
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn edge(text: &str) -> EdgeProcess {
-        toml::from_str(text).unwrap()
-    }
-
-    #[test]
-    fn a_relayed_edge_gets_its_links_figures_and_explicit_keys_win() {
-        let dir = Path::new(".");
-        let limited = edge(
-            r#"
-name = "e"
-[relay]
-up = { latency_ms = 50, jitter_ms = 10, bandwidth = "10mbit" }
-down = { latency_ms = 50, bandwidth = "40mbit" }
-"#,
-        );
-        let t = edge_transport(&limited, true, dir).unwrap();
-        assert_eq!(t.link_mbps, Some(40.0));
-        assert_eq!(t.rtt_ms, Some(110.0));
-        // Clean links: no relay, no sizing.
-        assert_eq!(
-            edge_transport(&limited, false, dir).unwrap(),
-            TransportSection::default()
-        );
-        // An unlimited direction: defaults.
-        let unlimited = edge(
-            r#"
-name = "e"
-[relay]
-up = { latency_ms = 100, loss = 0.2 }
-down = { latency_ms = 100, loss = 0.2 }
-"#,
-        );
-        assert_eq!(
-            edge_transport(&unlimited, true, dir).unwrap(),
-            TransportSection::default()
-        );
-        // Explicit figures are kept as written.
-        let explicit = edge(
-            r#"
-name = "e"
-transport = { link_mbps = 5, rtt_ms = 30, congestion = "cubic" }
-[relay]
-up = { latency_ms = 50, bandwidth = "10mbit" }
-down = { latency_ms = 50, bandwidth = "10mbit" }
-"#,
-        );
-        let t = edge_transport(&explicit, true, dir).unwrap();
-        assert_eq!((t.link_mbps, t.rtt_ms), (Some(5.0), Some(30.0)));
-        assert_eq!(t.congestion.as_deref(), Some("cubic"));
-    }
-
-    #[test]
-    fn a_traced_relay_uses_the_traces_mean_rate() {
-        let dir = std::env::temp_dir().join(format!("ddp-cluster-trace-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        // mahimahi: one 1500-byte opportunity per line; 4 per 4 ms period = 12 Mbit/s.
-        std::fs::write(dir.join("t.up"), "1\n2\n3\n4\n").unwrap();
-        let traced = edge(
-            r#"
-name = "e"
-[relay]
-up = { latency_ms = 20, trace = { path = "t.up", format = "mahimahi" } }
-down = { latency_ms = 20, bandwidth = "2mbit" }
-"#,
-        );
-        let (mbps, rtt) = relay_link_figures(traced.relay.as_ref().unwrap(), &dir)
-            .unwrap()
-            .unwrap();
-        assert!((mbps - 12.0).abs() < 1e-9, "{mbps}");
-        assert_eq!(rtt, 40.0);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

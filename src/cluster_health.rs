@@ -11,6 +11,9 @@ use edge_agent::durable_cache::DurableCache;
 /// The exit the launcher records for a process `[[chaos]] restart = false` killed on purpose.
 pub const PLANNED_KILL: &str = "killed (signal 9), not restarted";
 
+/// The exit the launcher records for a late joiner the run ended before it was due to start.
+pub const NEVER_STARTED: &str = "never started (the run ended before its start_at_s)";
+
 /// How a process's last run ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Fate {
@@ -27,7 +30,7 @@ pub fn fate(exit: &str) -> Fate {
     if exit == "exit status: 0" {
         return Fate::Clean;
     }
-    if exit == PLANNED_KILL {
+    if exit == PLANNED_KILL || exit == NEVER_STARTED {
         return Fate::PlannedKill;
     }
     let why = if exit.contains("SIGKILL") || exit.contains("signal: 9") {

@@ -4,11 +4,14 @@ mod bench_cmd;
 mod bench_tch;
 mod cli;
 mod cluster_cmd;
+mod cluster_file;
 mod cluster_health;
 mod compare;
 mod coordinator_cmd;
+mod global_model;
 mod node_cmds;
 mod plots;
+mod scenario_cluster;
 mod simulate_cmd;
 mod train_cmd;
 

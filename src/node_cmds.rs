@@ -81,10 +81,41 @@ pub fn trainer(args: ProcessArgs, role: Role) -> Result<()> {
             config.training.workers
         );
     }
-    let summary = edge_agent::runtime::run_node(&config, role)
+    let stop = stop_on_sigterm()?;
+    let summary = edge_agent::runtime::run_node_until(&config, role, stop)
         .with_context(|| format!("node {}", config.node.name))?;
     println!("{}", serde_json::to_string_pretty(&summary)?);
     Ok(())
+}
+
+/// A flag that SIGTERM (or Ctrl-C) sets, watched by a thread of its own: a trainer stops after
+/// its current step, keeps its backlog in the durable cache and writes its stats.
+fn stop_on_sigterm() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>> {
+    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // Registered before the thread starts, so a SIGTERM right after start is not lost.
+    let mut term = {
+        let _guard = runtime.enter();
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("installing the SIGTERM handler")?
+    };
+    let f = std::sync::Arc::clone(&flag);
+    std::thread::Builder::new()
+        .name("sigterm".into())
+        .spawn(move || {
+            runtime.block_on(async {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            });
+            tracing::info!("[STOP] signal received: stopping after this step");
+            f.store(true, std::sync::atomic::Ordering::Relaxed);
+        })
+        .context("starting the signal thread")?;
+    Ok(flag)
 }
 
 /// `dreamddp certs --dir D --nodes a,b,c`.

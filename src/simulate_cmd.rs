@@ -279,7 +279,7 @@ fn measure_device(scenario: &Scenario, task: &Task, name: &str) -> Result<()> {
     Ok(())
 }
 
-fn build_task(s: &Scenario, data_dir: Option<&Path>) -> Result<Task> {
+pub fn build_task(s: &Scenario, data_dir: Option<&Path>) -> Result<Task> {
     let model: ModelKind = s
         .model
         .parse()
@@ -300,7 +300,7 @@ fn fmt_opt_s(v: Option<f64>) -> String {
         .unwrap_or_else(|| "never".into())
 }
 
-fn print_table(s: &SimSummary) {
+pub fn print_table(s: &SimSummary) {
     println!();
     println!(
         "{:<17} {:>12} {:>9} {:>11} {:>10} {:>9} {:>11} {:>8} {:>9} {:>7}",
@@ -423,7 +423,7 @@ fn print_table(s: &SimSummary) {
     println!();
 }
 
-fn write_outputs(out: &Path, s: &SimSummary) -> Result<()> {
+pub fn write_outputs(out: &Path, s: &SimSummary) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     write_json(&out.join("summary.json"), s)?;
     let timing: Vec<serde_json::Value> = s

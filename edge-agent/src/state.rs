@@ -287,6 +287,9 @@ struct LayerSync {
     /// Sorted by seq.
     cache: Vec<CacheSlot>,
     resync_target: Option<u64>,
+    /// The newest global version this node's deltas went into (acks' `new_version`) or that a
+    /// resync asked for: a synchronous round is over once the layer's anchor reaches it.
+    required_version: u64,
     /// Seq of a coalesced entry waiting to become durable before it is sent.
     bundle_awaiting_durability: Option<u64>,
     /// Recent delta→ack times to the current owner (adaptive deadlines).
@@ -379,6 +382,7 @@ impl SyncClient {
                 in_flight: None,
                 cache: Vec::new(),
                 resync_target: None,
+                required_version: init.version,
                 bundle_awaiting_durability: None,
                 ack_times: AckTimes::default(),
                 backoff: 0,
@@ -467,6 +471,19 @@ impl SyncClient {
             deadline: f.deadline,
             from_cache: f.from_cache,
             payload: &f.payload,
+        })
+    }
+
+    /// Whether a synchronous round (`blocking`, `fedavg-deadline`) is over for this node:
+    /// every layer has nothing in flight or cached, no re-sync pending, and an anchor at or
+    /// past the newest global version its deltas were applied into. A node that waits for its
+    /// round trains on once this holds.
+    pub fn round_complete(&self) -> bool {
+        self.layers.iter().all(|l| {
+            l.in_flight.is_none()
+                && l.cache.is_empty()
+                && l.resync_target.is_none()
+                && l.version >= l.required_version
         })
     }
 
@@ -852,6 +869,7 @@ impl SyncClient {
             return;
         }
         self.counters.deltas_acked += 1;
+        l.required_version = l.required_version.max(ack.new_version);
         self.outputs
             .push_back(Output::Event(ClientEvent::Delivered {
                 layer_id: ack.layer_id,
@@ -898,6 +916,7 @@ impl SyncClient {
         }
         let l = &mut self.layers[li];
         l.resync_target = Some(r.current_version);
+        l.required_version = l.required_version.max(r.current_version);
         self.outputs
             .push_back(Output::Event(ClientEvent::ResyncNeeded {
                 layer_id: r.layer_id,

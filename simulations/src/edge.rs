@@ -41,12 +41,14 @@
 //! Modules: [`spec`] (the `[edge]` table), [`world`] (the event loop), [`ledger`] (the invariant).
 
 pub mod ledger;
+pub mod plan;
 pub mod spec;
 pub mod world;
 
 #[cfg(test)]
 mod tests;
 
+pub use plan::{EdgePlan, PlannedAggregator, PlannedNode};
 pub use spec::{
     AggregatorsSpec, ChurnAction, ChurnSpec, CloudSpec, DevicesSpec, EdgeSpec, EdgeSpecError,
     FedAvgSpec, FedBuffSpec, StalenessSpec, WireCodec,
@@ -78,6 +80,34 @@ pub fn run_edge(
     run_edge_detailed(scenario, task, strategy, progress).map(|(result, _)| result)
 }
 
+/// The plan of a real run of `strategy` on `scenario` ([`EdgePlan`]): the simulator's world is
+/// built (not run) and read back, so both engines start from the same numbers.
+pub fn plan_edge(scenario: &Scenario, task: &Task, strategy: &str) -> Result<EdgePlan, String> {
+    let spec = scenario
+        .edge
+        .as_ref()
+        .ok_or("edge: kind = \"edge\" needs an [edge] table")?;
+    let resolved = spec.resolve(scenario).map_err(|e| e.to_string())?;
+    let (mode, lossless) = mode_of(strategy)?;
+    Ok(world::World::new(scenario, spec, &resolved, task, mode, lossless, strategy)?.plan())
+}
+
+fn mode_of(strategy: &str) -> Result<(SyncMode, bool), String> {
+    Ok(match strategy {
+        "elastic" => (SyncMode::Elastic, false),
+        "blocking" => (SyncMode::Blocking, false),
+        "elastic-lossless" => (SyncMode::Elastic, true),
+        "fedavg-deadline" => (SyncMode::FedAvgDeadline, false),
+        "fedbuff" => (SyncMode::FedBuff, false),
+        other => {
+            return Err(format!(
+                "strategies: unknown edge strategy '{other}' (expected one of: {})",
+                STRATEGIES.join(", ")
+            ))
+        }
+    })
+}
+
 /// [`run_edge`] with the diagnostics behind the result (ledger totals, aggregator counters).
 pub fn run_edge_detailed(
     scenario: &Scenario,
@@ -90,18 +120,6 @@ pub fn run_edge_detailed(
         .as_ref()
         .ok_or("edge: kind = \"edge\" needs an [edge] table")?;
     let resolved = spec.resolve(scenario).map_err(|e| e.to_string())?;
-    let (mode, lossless) = match strategy {
-        "elastic" => (SyncMode::Elastic, false),
-        "blocking" => (SyncMode::Blocking, false),
-        "elastic-lossless" => (SyncMode::Elastic, true),
-        "fedavg-deadline" => (SyncMode::FedAvgDeadline, false),
-        "fedbuff" => (SyncMode::FedBuff, false),
-        other => {
-            return Err(format!(
-                "strategies: unknown edge strategy '{other}' (expected one of: {})",
-                STRATEGIES.join(", ")
-            ))
-        }
-    };
+    let (mode, lossless) = mode_of(strategy)?;
     world::World::new(scenario, spec, &resolved, task, mode, lossless, strategy)?.run(progress)
 }

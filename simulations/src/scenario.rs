@@ -157,6 +157,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ),
     ("edge-outage", include_str!("../scenarios/edge-outage.toml")),
     (
+        "fidelity-smoke",
+        include_str!("../scenarios/fidelity-smoke.toml"),
+    ),
+    (
         "two-datacenters-gpt",
         include_str!("../scenarios/two-datacenters-gpt.toml"),
     ),

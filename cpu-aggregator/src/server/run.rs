@@ -82,6 +82,9 @@ pub struct AggregatorSummary {
     pub layer_versions: Vec<(u32, u64)>,
     /// Entries in the applied ledger.
     pub ledger_len: usize,
+    /// Staleness τ of the deltas applied by this run of the process: counts for `τ = 0 .. 15`,
+    /// then `τ ≥ 16`.
+    pub staleness_histogram: Vec<u64>,
 }
 
 enum Inbound {
@@ -1043,6 +1046,7 @@ impl Shell {
             bad_peers_disconnected: self.bad_peers,
             layer_versions: self.layer_versions(),
             ledger_len: self.ledger.len(),
+            staleness_histogram: self.staleness.to_vec(),
         }
     }
 }

@@ -79,6 +79,17 @@ pub struct TrainingSection {
     /// Device of the tch backend: `cpu` or `cuda:N`.
     #[serde(default = "default_device")]
     pub device: String,
+    /// Optimizer (default: SGD with momentum 0.9), e.g. `{ kind = "sgd", momentum = 0.9,
+    /// nesterov = true }` or `{ kind = "adamw" }`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<engine::optim::OptimizerConfig>,
+    /// Learning-rate schedule (linear warmup, cosine decay to `min_lr` at `total_steps`);
+    /// replaces the constant `lr` when given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr_schedule: Option<engine::lr::LrSchedule>,
+    /// Pad every step to a device class's modelled step time (`[training.pace]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pace: Option<super::pacing::PaceSection>,
 }
 
 fn default_backend() -> String {
@@ -172,6 +183,12 @@ pub struct SyncSection {
     /// trains at `lr · lr_damping^s` (e.g. 0.9). Absent: off.
     #[serde(default)]
     pub lr_damping: Option<f32>,
+    /// Synchronous rounds (`blocking`, `fedavg-deadline`): every layer is cut at the same
+    /// step (no phase spread) and training waits after each cut until the round is over
+    /// ([`crate::SyncClient::round_complete`]). Pair it with an aggregator `round_size` equal
+    /// to the number of trainers. Default false (elastic).
+    #[serde(default)]
+    pub wait_for_round: bool,
 }
 
 fn default_deadline_mode() -> String {
@@ -458,6 +475,19 @@ impl NodeRunConfig {
                 t.lr.to_string(),
                 "must be a positive number",
             ));
+        }
+        if let Some(p) = &t.pace {
+            p.validate()
+                .map_err(|(key, value, why)| invalid(key, value, why))?;
+        }
+        if let Some(schedule) = &t.lr_schedule {
+            schedule.validate().map_err(|e| {
+                invalid(
+                    "training.lr_schedule",
+                    format!("{schedule:?}"),
+                    &e.to_string(),
+                )
+            })?;
         }
         s.deadline_policy()?;
         if s.period_steps == 0 {

@@ -454,6 +454,11 @@ impl SyncDriver {
         self.last_stats = Some(Instant::now());
     }
 
+    /// Whether this node's synchronous round is over ([`SyncClient::round_complete`]).
+    pub fn round_complete(&self) -> bool {
+        self.client.round_complete()
+    }
+
     /// Cached entries on disk (for tests and the stats file).
     pub fn cache_entries(&self) -> Vec<CacheEntry> {
         self.cache.entries().unwrap_or_default()

@@ -6,8 +6,9 @@ pub mod config;
 pub mod driver;
 pub mod mailbox;
 pub mod net;
+pub mod pacing;
 pub mod run;
 pub mod topk;
 
 pub use config::{NodeConfigError, NodeRunConfig};
-pub use run::{next_incarnation, run_node, NodeRunError, NodeRunSummary};
+pub use run::{next_incarnation, run_node, run_node_until, NodeRunError, NodeRunSummary};

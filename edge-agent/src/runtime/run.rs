@@ -5,6 +5,7 @@
 //! `dreamddp worker` (N workers with the intra-node collective).
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,6 +24,7 @@ use transport::{QuicNode, TlsIdentity};
 use super::config::{parse_delta_codec, NodeRunConfig};
 use super::driver::{DriverCounters, SyncDriver};
 use super::net::{start_node_net, NetConfig};
+use super::pacing::StepPacer;
 use super::topk::TopKSparsifier;
 use crate::config::{spread_phases, ClientConfig, LayerInit, LayerSpec};
 use crate::durable_cache::DurableCache;
@@ -86,6 +88,20 @@ pub struct NodeRunSummary {
     pub memory: node::memory::ProcessMemory,
     /// Bytes the training and test sets take in memory (at their stored precision).
     pub data_bytes: u64,
+    /// Compute pacing (`[training.pace]`), when on.
+    pub pace: Option<PaceStats>,
+    /// Stopped from outside (SIGTERM) before its last step or before its backlog drained;
+    /// `undelivered` is then what its durable cache keeps for the next start.
+    pub stopped: bool,
+}
+
+/// How compute pacing went.
+#[derive(Clone, Debug, Serialize)]
+pub struct PaceStats {
+    /// Steps paced.
+    pub steps: u64,
+    /// Steps whose real compute took longer than their paced time.
+    pub overruns: u64,
 }
 
 /// Reads, increments and durably stores the seq incarnation in `dir/incarnation`. Seqs of
@@ -113,12 +129,49 @@ pub fn next_incarnation(dir: &Path) -> Result<u64, NodeRunError> {
     Ok(next)
 }
 
-/// The leader hook of a node process: the sync driver plus periodic local evaluation.
+/// The leader hook of a node process: the sync driver, compute pacing, the wait of a
+/// synchronous round, and periodic local evaluation.
 struct NodeLeader<'a> {
     driver: SyncDriver,
     task: &'a Task,
     eval_every: u64,
     eval_limit: usize,
+    pacer: Option<StepPacer>,
+    /// When the previous step (and whatever waiting followed it) ended.
+    last_step_end: Instant,
+    /// Set from outside (SIGTERM): stop after the current step, skip the drain.
+    stop: Arc<AtomicBool>,
+    /// `[sync] wait_for_round`: the period whose cuts end a round, and the last step.
+    round: Option<(u64, u64)>,
+}
+
+/// How long the leader sleeps between pumps while it pads a step or waits for a round.
+const WAIT_SLICE: Duration = Duration::from_millis(2);
+
+impl NodeLeader<'_> {
+    /// Pumps the driver until `done` holds (or `until` passes), collecting the layers it
+    /// rewrote into `changed`.
+    fn pump_while(
+        &mut self,
+        model: &mut dyn ModelReplica,
+        changed: &mut Vec<usize>,
+        until: Option<Instant>,
+        done: &dyn Fn(&SyncDriver) -> bool,
+    ) -> Result<(), String> {
+        loop {
+            for index in self.driver.pump(model)? {
+                if !changed.contains(&index) {
+                    changed.push(index);
+                }
+            }
+            let now = Instant::now();
+            if done(&self.driver) || until.is_some_and(|u| now >= u) || self.driver.should_stop() {
+                return Ok(());
+            }
+            let slice = until.map_or(WAIT_SLICE, |u| (u - now).min(WAIT_SLICE));
+            std::thread::sleep(slice);
+        }
+    }
 }
 
 impl LeaderHook for NodeLeader<'_> {
@@ -128,7 +181,34 @@ impl LeaderHook for NodeLeader<'_> {
         samples: u64,
         model: &mut dyn ModelReplica,
     ) -> Result<Vec<usize>, String> {
-        let changed = self.driver.after_step(step, samples, model)?;
+        let mut changed = Vec::new();
+        // Pad the step to the paced device's step time (messages are handled meanwhile), then
+        // cut: the deltas leave when the modelled device would have finished the step.
+        if let Some(pacer) = self.pacer.as_mut() {
+            let target = pacer.next_target();
+            let actual = self.last_step_end.elapsed();
+            if pacer.record(actual, target) {
+                warn!(
+                    "[WARN] pace: step {step} took {:.1} ms of real compute, more than the paced {:.1} ms; \
+                     this machine is slower than the device class it stands in for (the run is flagged)",
+                    actual.as_secs_f64() * 1e3,
+                    target.as_secs_f64() * 1e3
+                );
+            }
+            let until = self.last_step_end + target;
+            self.pump_while(model, &mut changed, Some(until), &|_| false)?;
+        }
+        for index in self.driver.after_step(step, samples, model)? {
+            if !changed.contains(&index) {
+                changed.push(index);
+            }
+        }
+        if let Some((period, last)) = self.round {
+            if step.is_multiple_of(period) && step < last {
+                self.pump_while(model, &mut changed, None, &SyncDriver::round_complete)?;
+            }
+        }
+        self.last_step_end = Instant::now();
         if self.eval_every > 0 && step.is_multiple_of(self.eval_every) {
             let e = self.task.evaluate_replica(model, Some(self.eval_limit))?;
             self.driver.set_accuracy(e.accuracy.map(|a| a as f32));
@@ -143,12 +223,27 @@ impl LeaderHook for NodeLeader<'_> {
     }
 
     fn should_stop(&self) -> bool {
-        self.driver.should_stop()
+        self.driver.should_stop() || self.stop.load(Ordering::Relaxed)
+    }
+
+    fn lr_scales(&self) -> Vec<(usize, f32)> {
+        self.driver.lr_scales()
     }
 }
 
 /// Runs a training node until it has trained `training.steps` steps and drained its backlog.
 pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, NodeRunError> {
+    run_node_until(config, role, Arc::new(AtomicBool::new(false)))
+}
+
+/// [`run_node`] that also stops when `stop` is set (the process's SIGTERM handler sets it):
+/// after the current step, without draining the backlog (it stays in the durable cache for
+/// the next start), leaving the cluster and writing `stats.json` as usual.
+pub fn run_node_until(
+    config: &NodeRunConfig,
+    role: Role,
+    stop: Arc<AtomicBool>,
+) -> Result<NodeRunSummary, NodeRunError> {
     let started = Instant::now();
     let io = |path: &Path| {
         let path = path.to_path_buf();
@@ -269,7 +364,10 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
             matrix_rows: None,
         })
         .collect();
-    spread_phases(&mut specs);
+    // Synchronous rounds send the whole model at the same step.
+    if !config.sync.wait_for_round {
+        spread_phases(&mut specs);
+    }
     let inits = specs
         .into_iter()
         .zip(&layout)
@@ -355,8 +453,15 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         seed: config.model.seed,
         first_rank: config.training.first_rank,
         world: config.training.world,
-        optimizer: OptimizerConfig::sgd(),
-        schedule: LrSchedule::constant(config.training.lr),
+        optimizer: config
+            .training
+            .optimizer
+            .clone()
+            .unwrap_or_else(OptimizerConfig::sgd),
+        schedule: config
+            .training
+            .lr_schedule
+            .unwrap_or_else(|| LrSchedule::constant(config.training.lr)),
         backend: backend.clone(),
     };
     let mut leader = NodeLeader {
@@ -364,14 +469,32 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         task: &task,
         eval_every: config.training.eval_every,
         eval_limit: config.training.eval_limit,
+        pacer: config.training.pace.as_ref().map(StepPacer::new),
+        last_step_end: Instant::now(),
+        stop: Arc::clone(&stop),
+        round: config
+            .sync
+            .wait_for_round
+            .then_some((config.sync.period_steps, config.training.steps)),
     };
     let (train_report, mut final_model) =
         run_node_training(&task, &train_config, &initial, &mut leader)
             .map_err(|e| NodeRunError::Training(e.to_string()))?;
+    let pace = leader.pacer.as_ref().map(|p| PaceStats {
+        steps: p.steps,
+        overruns: p.overruns,
+    });
     let mut driver = leader.driver;
 
     // Drain: keep exchanging until every delta is acknowledged (or the timeout).
-    let drain_until = Instant::now() + Duration::from_secs(config.sync.drain_timeout_s);
+    let stopped = stop.load(Ordering::Relaxed);
+    let drain_s = if stopped {
+        info!("[STOP] asked to stop: leaving without draining the backlog");
+        0
+    } else {
+        config.sync.drain_timeout_s
+    };
+    let drain_until = Instant::now() + Duration::from_secs(drain_s);
     while driver.undelivered() > 0 && Instant::now() < drain_until {
         driver
             .pump(final_model.as_mut())
@@ -379,7 +502,7 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         std::thread::sleep(Duration::from_millis(10));
     }
     let undelivered = driver.undelivered();
-    if undelivered > 0 {
+    if undelivered > 0 && !stopped {
         warn!("[WARN] leaving with {undelivered} undelivered deltas (kept in the weak-sync cache for the next start)");
     }
     let eval = task
@@ -403,6 +526,8 @@ pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, No
         wall_seconds: started.elapsed().as_secs_f64(),
         memory: node::memory::process_memory(),
         data_bytes: task.data_bytes() as u64,
+        pace,
+        stopped,
     };
     let stats_path = config.node.data_dir.join("stats.json");
     let json = serde_json::to_string_pretty(&summary).unwrap_or_default();

@@ -30,6 +30,7 @@ use node::task::Task;
 use protocol::{encode_frame, payload_from_f32, LayerMeta, Message};
 
 use super::ledger::{DeltaKey, Ledger, LedgerCheck};
+use super::plan::{EdgePlan, PlannedAggregator, PlannedNode};
 use super::spec::{AccessLink, ChurnAction, EdgeSpec, ResolvedEdge};
 use crate::compute::{layer_costs, Device, Straggler};
 use crate::events::EventQueue;
@@ -180,7 +181,6 @@ struct SimNode {
     pending_versions: BTreeMap<u32, PendingVersion>,
     version_busy: bool,
     sent_version: Vec<u64>,
-    required_version: Vec<u64>,
     /// fedbuff: the newest global version of each layer received during the local round.
     held_versions: BTreeMap<u32, (u64, Vec<f32>)>,
     drain: BTreeSet<u32>,
@@ -376,6 +376,8 @@ pub struct World<'a> {
     restored_entries: u64,
     optimizer: OptimizerConfig,
     schedule: LrSchedule,
+    /// The averaging rule of every aggregator (kept for [`World::plan`]).
+    agg_config: AggregatorConfig,
     max_steps: u64,
     end: SimTime,
     fatal: Option<String>,
@@ -656,7 +658,6 @@ impl<'a> World<'a> {
                 pending_versions: BTreeMap::new(),
                 version_busy: false,
                 sent_version: vec![0; layers.len()],
-                required_version: vec![0; layers.len()],
                 held_versions: BTreeMap::new(),
                 drain: BTreeSet::new(),
                 training_started_at: None,
@@ -698,6 +699,7 @@ impl<'a> World<'a> {
             restored_entries: 0,
             optimizer,
             schedule,
+            agg_config,
             max_steps,
             end,
             fatal: None,
@@ -706,6 +708,51 @@ impl<'a> World<'a> {
 
     fn now(&self) -> SimTime {
         self.queue.now()
+    }
+
+    /// What this world was built from, for a real run of the same strategy.
+    pub fn plan(&self) -> EdgePlan {
+        let joins = |name: &str| {
+            self.spec
+                .churn
+                .iter()
+                .find(|c| c.node == name && c.action == ChurnAction::Join)
+                .map(|c| c.at_s)
+        };
+        EdgePlan {
+            mode: self.mode,
+            lossless: self.strategy == "elastic-lossless",
+            nodes: self
+                .nodes
+                .iter()
+                .map(|n| PlannedNode {
+                    name: n.name.clone(),
+                    class: n.class.label(),
+                    up: n.up.spec().clone(),
+                    down: n.down.spec().clone(),
+                    step_s: n.step_s,
+                    slowdown: n.straggler.slowdown,
+                    jitter: n.straggler.jitter,
+                    batch: n.samples_per_step,
+                    deadline_ms: n.deadline_ns as f64 / 1e6,
+                    joins_at_s: joins(&n.name),
+                })
+                .collect(),
+            aggregators: self
+                .aggs
+                .iter()
+                .enumerate()
+                .map(|(i, a)| PlannedAggregator {
+                    name: format!("agg-{i}"),
+                    up: a.up.spec().clone(),
+                    down: a.down.spec().clone(),
+                })
+                .collect(),
+            aggregator: self.agg_config.clone(),
+            optimizer: self.optimizer.clone(),
+            schedule: self.schedule,
+            churn: self.spec.churn.clone(),
+        }
     }
 
     fn schedule(&mut self, at: SimTime, event: Event) {
@@ -1154,16 +1201,10 @@ impl<'a> World<'a> {
     }
 
     fn round_complete(&self, node: usize) -> bool {
-        let n = &self.nodes[node];
-        let Some(c) = n.client.as_ref() else {
-            return false;
-        };
-        self.layers.iter().all(|l| {
-            c.in_flight(l.id).is_none()
-                && c.pending(l.id) == 0
-                && !c.needs_resync(l.id)
-                && c.version(l.id).unwrap_or(0) >= n.required_version[l.id as usize]
-        })
+        self.nodes[node]
+            .client
+            .as_ref()
+            .is_some_and(SyncClient::round_complete)
     }
 
     fn pump_node(&mut self, node: usize) {
@@ -1300,23 +1341,8 @@ impl<'a> World<'a> {
                 self.ledger.weak_synced((node, layer_id, seq));
                 self.close_sync((node, layer_id, seq), true);
             }
-            ClientEvent::Delivered {
-                layer_id,
-                seq,
-                new_version,
-                ..
-            } => {
-                let r = &mut self.nodes[node].required_version[layer_id as usize];
-                *r = (*r).max(new_version);
+            ClientEvent::Delivered { layer_id, seq, .. } => {
                 self.close_sync((node, layer_id, seq), false);
-            }
-            ClientEvent::ResyncNeeded {
-                layer_id,
-                current_version,
-                ..
-            } => {
-                let r = &mut self.nodes[node].required_version[layer_id as usize];
-                *r = (*r).max(current_version);
             }
             ClientEvent::Dropped { layer_id, seq, .. } => {
                 self.close_sync((node, layer_id, seq), false);
@@ -1546,7 +1572,6 @@ impl<'a> World<'a> {
         n.version_busy = false;
         n.timer_at = None;
         n.sent_version = versions.to_vec();
-        n.required_version = versions.to_vec();
         n.status = Status::Training;
         // Versions applied while the bootstrap was on its way.
         for l in 0..self.layers.len() {

@@ -1,0 +1,424 @@
+//! The cluster file of `dreamddp cluster FILE.toml` ([`ClusterFile`]): the cluster, the model,
+//! the trainers' defaults, the aggregators, worker nodes and edge agents (each edge optionally
+//! behind a lossy relay, paced to a device class, or joining late), and the `[[chaos]]` plan;
+//! plus its validation and the link figures an edge's transport is sized from.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use cpu_aggregator::server::config::AggregationSection;
+use edge_agent::runtime::config::SyncSection;
+use edge_agent::runtime::pacing::PaceSection;
+use node::cluster_model::ModelSection;
+use relay::RelayLinkSpec;
+use serde::Deserialize;
+use transport::config::TransportSection;
+
+/// The cluster file.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterFile {
+    /// Cluster-wide settings.
+    pub cluster: ClusterSection,
+    /// The model every process trains.
+    pub model: ModelSection,
+    /// Defaults of every trainer.
+    pub training: TrainingDefaults,
+    /// Cross-site sync of every trainer.
+    #[serde(default)]
+    pub sync: SyncSection,
+    /// Averaging on every aggregator.
+    #[serde(default)]
+    pub aggregation: AggregationSection,
+    /// Aggregator processes.
+    pub aggregators: Vec<NamedProcess>,
+    /// Worker node processes.
+    #[serde(default)]
+    pub workers: Vec<WorkerProcess>,
+    /// Edge agent processes.
+    #[serde(default)]
+    pub edges: Vec<EdgeProcess>,
+    /// Processes to `kill -9` and restart.
+    #[serde(default)]
+    pub chaos: Vec<ChaosEvent>,
+}
+
+/// `[cluster]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSection {
+    /// Name (default output directory `cluster-out/<name>`).
+    pub name: String,
+    /// Shared join token.
+    #[serde(default = "default_credentials")]
+    pub credentials: String,
+    /// Lease length, milliseconds.
+    #[serde(default = "default_lease")]
+    pub lease_ms: u64,
+    /// Give up after this many seconds.
+    #[serde(default = "default_timeout")]
+    pub timeout_s: u64,
+    /// Stop the run this many seconds after the trainers started (a scenario's
+    /// `max_virtual_s`): trainers still running are stopped on purpose, and what their caches
+    /// hold is reported as cached at the end, not as lost. Absent: run until they finish.
+    #[serde(default)]
+    pub stop_after_s: Option<f64>,
+    /// Evaluate the global model (the aggregators' persisted layers) every this many seconds
+    /// into `summary.json`'s `series` (absent: only at the end).
+    #[serde(default)]
+    pub eval_every_s: Option<f64>,
+}
+
+fn default_credentials() -> String {
+    "dreamddp-local-cluster".into()
+}
+fn default_lease() -> u64 {
+    10_000
+}
+fn default_timeout() -> u64 {
+    900
+}
+
+/// `[training]`: defaults of every trainer.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingDefaults {
+    /// Steps.
+    pub steps: u64,
+    /// Per-worker batch.
+    #[serde(default = "default_batch")]
+    pub batch_size: usize,
+    /// Learning rate.
+    #[serde(default = "default_lr")]
+    pub lr: f32,
+    /// Local evaluation interval.
+    #[serde(default = "default_eval_every")]
+    pub eval_every: u64,
+    /// Test examples per local evaluation (and per evaluation of the `series`).
+    #[serde(default = "default_eval_limit")]
+    pub eval_limit: usize,
+    /// Optimizer of every trainer (default SGD with momentum 0.9).
+    #[serde(default)]
+    pub optimizer: Option<engine::optim::OptimizerConfig>,
+    /// Learning-rate schedule of every trainer (replaces the constant `lr`).
+    #[serde(default)]
+    pub lr_schedule: Option<engine::lr::LrSchedule>,
+}
+
+fn default_batch() -> usize {
+    32
+}
+fn default_lr() -> f32 {
+    0.05
+}
+fn default_eval_every() -> u64 {
+    200
+}
+fn default_eval_limit() -> usize {
+    1000
+}
+
+/// `[[aggregators]]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamedProcess {
+    /// Node name.
+    pub name: String,
+}
+
+/// `[[workers]]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerProcess {
+    /// Node name.
+    pub name: String,
+    /// Local workers.
+    #[serde(default = "two")]
+    pub workers: usize,
+    /// Compute backend: `builtin` (default) or `tch` (needs a `--features tch` build).
+    #[serde(default)]
+    pub backend: Option<String>,
+    /// Device of the tch backend: `cpu` (default) or `cuda:N`.
+    #[serde(default)]
+    pub device: Option<String>,
+}
+
+fn two() -> usize {
+    2
+}
+
+/// `[[edges]]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EdgeProcess {
+    /// Node name.
+    pub name: String,
+    /// A lossy relay between this edge and every aggregator.
+    #[serde(default)]
+    pub relay: Option<EdgeRelay>,
+    /// This edge's per-attempt deadline (default: `[sync] deadline_ms`).
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
+    /// This edge's delta codec (default: `[sync] codec`).
+    #[serde(default)]
+    pub codec: Option<String>,
+    /// This edge's `[transport]` keys. Without `link_mbps`/`rtt_ms` here, an edge behind a
+    /// relay gets them from the relay's link spec ([`relay_link_figures`]).
+    #[serde(default)]
+    pub transport: Option<TransportSection>,
+    /// Compute backend: `builtin` (default) or `tch`.
+    #[serde(default)]
+    pub backend: Option<String>,
+    /// Device of the tch backend: `cpu` (default) or `cuda:N`.
+    #[serde(default)]
+    pub device: Option<String>,
+    /// This edge's batch size (default: `[training] batch_size`).
+    #[serde(default)]
+    pub batch_size: Option<usize>,
+    /// Pad every step to a device class's step time (`[edges.pace]`, see `[training.pace]`).
+    #[serde(default)]
+    pub pace: Option<PaceSection>,
+    /// Start this edge this many seconds after the other trainers (a late joiner).
+    #[serde(default)]
+    pub start_at_s: Option<f64>,
+    /// Class of its access link in the byte counts (`edge` by default; `cloud` for a cloud
+    /// node run as a trainer of its own).
+    #[serde(default)]
+    pub link_class: Option<String>,
+}
+
+/// The link figures of an edge behind `relay`, for sizing its flow-control windows:
+/// `rtt_ms` = both directions' latency plus jitter; `link_mbps` = the faster direction's
+/// capacity (a constant `bandwidth`, or a trace's mean rate). `None` when the relay limits
+/// neither bandwidth in some direction (that direction runs at loopback speed: the default
+/// windows fit better than any product) or adds no delay.
+pub fn relay_link_figures(relay: &EdgeRelay, base_dir: &Path) -> Result<Option<(f64, f64)>> {
+    let rtt_ms =
+        relay.up.latency_ms + relay.down.latency_ms + relay.up.jitter_ms + relay.down.jitter_ms;
+    let (Some(up), Some(down)) = (
+        direction_mbps(&relay.up, base_dir)?,
+        direction_mbps(&relay.down, base_dir)?,
+    ) else {
+        return Ok(None);
+    };
+    Ok((rtt_ms > 0.0).then_some((up.max(down), rtt_ms)))
+}
+
+/// Capacity of one relay direction in Mbit/s (`None`: unlimited).
+fn direction_mbps(spec: &RelayLinkSpec, base_dir: &Path) -> Result<Option<f64>> {
+    if let Some(b) = spec.bandwidth {
+        return Ok(Some(b.bits_per_sec() as f64 / 1e6));
+    }
+    let mut spec = spec.clone();
+    spec.resolve_paths(base_dir);
+    let Some(trace) = spec.load_trace().context("relay trace")? else {
+        return Ok(None);
+    };
+    let period_s = trace.period().0 as f64 / 1e9;
+    if period_s <= 0.0 {
+        return Ok(None);
+    }
+    Ok(Some(trace.bytes_per_period() as f64 * 8.0 / period_s / 1e6))
+}
+
+/// An edge's `[transport]`: its explicit keys, with `link_mbps`/`rtt_ms` filled in from
+/// the relay in front of it (if any, and links are not clean) when not given.
+pub fn edge_transport(
+    edge: &EdgeProcess,
+    relay_in_use: bool,
+    base_dir: &Path,
+) -> Result<TransportSection> {
+    let mut section = edge.transport.clone().unwrap_or_default();
+    if let (Some(r), true) = (&edge.relay, relay_in_use) {
+        if section.link_mbps.is_none() && section.rtt_ms.is_none() {
+            if let Some((mbps, rtt)) = relay_link_figures(r, base_dir)? {
+                section.link_mbps = Some(mbps);
+                section.rtt_ms = Some(rtt);
+            }
+        }
+    }
+    Ok(section)
+}
+
+/// `[edges.relay]`: the link model of each direction (see `dreamddp relay`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EdgeRelay {
+    /// Edge → aggregator.
+    #[serde(default)]
+    pub up: RelayLinkSpec,
+    /// Aggregator → edge.
+    #[serde(default)]
+    pub down: RelayLinkSpec,
+    /// Seed of the relay's random draws.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// `[[chaos]]`: `kill -9` a process at `at_s` seconds after the trainers started, restart it
+/// `down_s` seconds later (or never, with `restart = false`: an aggregator that is gone for
+/// good, whose layers the coordinator moves once its lease expires).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChaosEvent {
+    /// Node name.
+    pub kill: String,
+    /// When, seconds after the trainers started.
+    pub at_s: f64,
+    /// Restart after this many seconds.
+    #[serde(default = "default_down")]
+    pub down_s: f64,
+    /// Restart it at all.
+    #[serde(default = "default_restart")]
+    pub restart: bool,
+}
+
+fn default_restart() -> bool {
+    true
+}
+
+fn default_down() -> f64 {
+    1.0
+}
+
+/// Checks names, references and counts (the error says what to change).
+pub fn validate(file: &ClusterFile) -> Result<()> {
+    if file.aggregators.is_empty() {
+        bail!("[[aggregators]]: a cluster needs at least one aggregator");
+    }
+    if file.workers.is_empty() && file.edges.is_empty() {
+        bail!("a cluster needs at least one [[workers]] or [[edges]] entry");
+    }
+    let mut names: Vec<&str> = vec!["coordinator"];
+    names.extend(file.aggregators.iter().map(|a| a.name.as_str()));
+    names.extend(file.workers.iter().map(|w| w.name.as_str()));
+    names.extend(file.edges.iter().map(|e| e.name.as_str()));
+    for (i, n) in names.iter().enumerate() {
+        transport::validate_node_name(n).with_context(|| format!("node name {n:?}"))?;
+        if names[..i].contains(n) {
+            bail!(
+                "node name {n:?} is used twice (names must be unique; \"coordinator\" is reserved)"
+            );
+        }
+    }
+    for c in &file.chaos {
+        if !names[1..].contains(&c.kill.as_str()) {
+            bail!(
+                "[[chaos]] kill = {:?}: no aggregator, worker or edge has that name",
+                c.kill
+            );
+        }
+    }
+    for e in &file.edges {
+        if let Some(p) = &e.pace {
+            p.validate().map_err(|(key, value, why)| {
+                anyhow::anyhow!("[[edges]] {}: {key} = {value}: {why}", e.name)
+            })?;
+        }
+        if let Some(t) = e.start_at_s {
+            if !(t.is_finite() && t >= 0.0) {
+                bail!(
+                    "[[edges]] {}: start_at_s = {t}: must be a number of seconds >= 0",
+                    e.name
+                );
+            }
+        }
+        if e.batch_size == Some(0) {
+            bail!("[[edges]] {}: batch_size must be at least 1", e.name);
+        }
+    }
+    if let Some(t) = file.cluster.stop_after_s {
+        if !(t.is_finite() && t > 0.0) {
+            bail!("[cluster] stop_after_s = {t}: must be a positive number of seconds");
+        }
+    }
+    if let Some(t) = file.cluster.eval_every_s {
+        if !(t.is_finite() && t > 0.0) {
+            bail!("[cluster] eval_every_s = {t}: must be a positive number of seconds");
+        }
+    }
+    for w in &file.workers {
+        if w.workers == 0 {
+            bail!("[[workers]] {}: workers must be at least 1", w.name);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn edge(text: &str) -> EdgeProcess {
+        toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn a_relayed_edge_gets_its_links_figures_and_explicit_keys_win() {
+        let dir = Path::new(".");
+        let limited = edge(
+            r#"
+name = "e"
+[relay]
+up = { latency_ms = 50, jitter_ms = 10, bandwidth = "10mbit" }
+down = { latency_ms = 50, bandwidth = "40mbit" }
+"#,
+        );
+        let t = edge_transport(&limited, true, dir).unwrap();
+        assert_eq!(t.link_mbps, Some(40.0));
+        assert_eq!(t.rtt_ms, Some(110.0));
+        // Clean links: no relay, no sizing.
+        assert_eq!(
+            edge_transport(&limited, false, dir).unwrap(),
+            TransportSection::default()
+        );
+        // An unlimited direction: defaults.
+        let unlimited = edge(
+            r#"
+name = "e"
+[relay]
+up = { latency_ms = 100, loss = 0.2 }
+down = { latency_ms = 100, loss = 0.2 }
+"#,
+        );
+        assert_eq!(
+            edge_transport(&unlimited, true, dir).unwrap(),
+            TransportSection::default()
+        );
+        // Explicit figures are kept as written.
+        let explicit = edge(
+            r#"
+name = "e"
+transport = { link_mbps = 5, rtt_ms = 30, congestion = "cubic" }
+[relay]
+up = { latency_ms = 50, bandwidth = "10mbit" }
+down = { latency_ms = 50, bandwidth = "10mbit" }
+"#,
+        );
+        let t = edge_transport(&explicit, true, dir).unwrap();
+        assert_eq!((t.link_mbps, t.rtt_ms), (Some(5.0), Some(30.0)));
+        assert_eq!(t.congestion.as_deref(), Some("cubic"));
+    }
+
+    #[test]
+    fn a_traced_relay_uses_the_traces_mean_rate() {
+        let dir = std::env::temp_dir().join(format!("ddp-cluster-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // mahimahi: one 1500-byte opportunity per line; 4 per 4 ms period = 12 Mbit/s.
+        std::fs::write(dir.join("t.up"), "1\n2\n3\n4\n").unwrap();
+        let traced = edge(
+            r#"
+name = "e"
+[relay]
+up = { latency_ms = 20, trace = { path = "t.up", format = "mahimahi" } }
+down = { latency_ms = 20, bandwidth = "2mbit" }
+"#,
+        );
+        let (mbps, rtt) = relay_link_figures(traced.relay.as_ref().unwrap(), &dir)
+            .unwrap()
+            .unwrap();
+        assert!((mbps - 12.0).abs() < 1e-9, "{mbps}");
+        assert_eq!(rtt, 40.0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,435 @@
+//! `dreamddp cluster SCENARIO`: an edge-kind scenario run as real processes on this machine.
+//!
+//! The simulator's world is built (not run) for each strategy and read back as an
+//! [`EdgePlan`]; the plan becomes a [`ClusterFile`]: a coordinator, the scenario's aggregators
+//! (averaging rule of the strategy), and one edge-agent process per cloud node and device, each
+//! behind a relay that replays its access link (`[links.*]`: bandwidth or trace, latency,
+//! jitter, loss, Gilbert–Elliott bursts, outages), paced to its device class's step time
+//! (`slowdown`, `jitter`), with the simulator's first deadline, optimizer and learning-rate
+//! schedule. Churn becomes `kill -9` + restart (`crash`) or a late start (`join`). The run stops
+//! at the scenario's `max_virtual_s` (or when every trainer is done), and its results are
+//! written in the simulator's schema (`summary.json`, `timeseries.csv`, plots), so
+//! `dreamddp fidelity` can compare the two.
+//!
+//! What a real run cannot reproduce, and is said at start: a cloud node is one trainer with its
+//! `workers × batch` (as the simulator models it); the aggregators' own access links are not
+//! relayed (loopback); with several aggregators each path gets its own relay.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use cpu_aggregator::server::config::AggregationSection;
+use cpu_aggregator::{Aggregation, AggregatorConfig};
+use edge_agent::runtime::config::SyncSection;
+use edge_agent::runtime::pacing::PaceSection;
+use engine::staleness::StalenessFn;
+use node::cluster_model::ModelSection;
+use node::task::{ModelKind, Task};
+use simulations::edge::spec::DeadlineMode;
+use simulations::edge::{plan_edge, ChurnAction, EdgePlan, SyncMode};
+use simulations::report::{SeriesPoint, SimSummary, StrategyResult};
+use simulations::scenario::{Scenario, ScenarioKind, BUILTIN};
+
+use crate::cluster_cmd::{print_table, run_cluster_file, ClusterArgs, ClusterSummary};
+use crate::cluster_file::{
+    ChaosEvent, ClusterFile, ClusterSection, EdgeProcess, EdgeRelay, NamedProcess, TrainingDefaults,
+};
+
+/// Extra seconds the cluster may run past the scenario's `max_virtual_s` (start-up, the stop).
+const TIMEOUT_MARGIN_S: f64 = 120.0;
+
+/// Whether `path` names a scenario rather than a cluster file: a built-in scenario name that
+/// is not a file, or a TOML file with a top-level `kind`.
+pub fn is_scenario(path: &Path) -> Result<bool> {
+    if !path.exists() {
+        let name = path.to_string_lossy();
+        return Ok(BUILTIN.iter().any(|(n, _)| *n == name));
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(toml::from_str::<toml::Table>(&text).is_ok_and(|t| t.contains_key("kind")))
+}
+
+/// Strategies a real cluster can run (the others need client rules the edge agent lacks).
+pub const REAL_STRATEGIES: &[&str] =
+    &["elastic", "blocking", "elastic-lossless", "fedavg-deadline"];
+
+/// One strategy's real run: the result in the simulator's schema, and the cluster's summary.
+#[derive(Clone, Debug)]
+pub struct RealRun {
+    /// In the simulator's schema.
+    pub result: StrategyResult,
+    /// What `cluster` measured.
+    pub cluster: ClusterSummary,
+}
+
+/// A loaded scenario with its task and the data folder the trainers read.
+pub struct LoadedScenario {
+    /// The scenario (seed and strategies already overridden).
+    pub scenario: Scenario,
+    /// Its text (recorded in `summary.json`).
+    pub text: String,
+    /// Its task (model + data).
+    pub task: Task,
+    /// The data folder, if any (the embedded digits need none).
+    pub data_dir: Option<PathBuf>,
+}
+
+/// Loads an edge-kind scenario (a file or a built-in name) with the `simulate` overrides.
+pub fn load(
+    name_or_path: &str,
+    seed: Option<u64>,
+    strategies: Option<&str>,
+    data_dir: Option<&Path>,
+) -> Result<LoadedScenario> {
+    let (mut scenario, text) = Scenario::load(name_or_path)?;
+    if scenario.kind != ScenarioKind::Edge {
+        bail!(
+            "scenario {}: only kind = \"edge\" scenarios run as real clusters (this one is {:?}); \
+             use `dreamddp train --compare` for clusters-kind strategies on real threads",
+            scenario.name,
+            scenario.kind
+        );
+    }
+    if let Some(seed) = seed {
+        scenario.seed = seed;
+    }
+    if let Some(list) = strategies {
+        scenario.strategies = list.split(',').map(|s| s.trim().to_string()).collect();
+    }
+    let task = crate::simulate_cmd::build_task(&scenario, data_dir)?;
+    let data_dir = data_dir
+        .map(Path::to_path_buf)
+        .or_else(engine::data::locate::shared_datasets_dir);
+    Ok(LoadedScenario {
+        scenario,
+        text,
+        task,
+        data_dir,
+    })
+}
+
+/// `dreamddp cluster SCENARIO`: every strategy of the scenario, one after the other, as real
+/// processes; writes the simulator's outputs under `--out` (default `cluster-out/<name>`).
+pub fn run(args: &ClusterArgs) -> Result<SimSummary> {
+    let loaded = load(
+        &args.file.to_string_lossy(),
+        args.seed,
+        args.strategies.as_deref(),
+        args.data_dir.as_deref(),
+    )?;
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("cluster-out").join(&loaded.scenario.name));
+    let (summary, runs) = run_all(&loaded, &out)?;
+    crate::simulate_cmd::print_table(&summary);
+    crate::simulate_cmd::write_outputs(&out, &summary)?;
+    let problems: Vec<String> = runs
+        .iter()
+        .flat_map(|r| {
+            r.cluster
+                .problems
+                .iter()
+                .map(move |p| format!("{}: {p}", r.result.strategy))
+        })
+        .collect();
+    println!(
+        "wrote the real run's summary.json, timeseries.csv and plots to {}",
+        out.display()
+    );
+    if !problems.is_empty() {
+        bail!(
+            "the real run of {} finished with {} problem(s):\n  {}",
+            summary.scenario,
+            problems.len(),
+            problems.join("\n  ")
+        );
+    }
+    Ok(summary)
+}
+
+/// Runs every strategy of `loaded` for real; each strategy's processes live under
+/// `out/<strategy>/`.
+pub fn run_all(loaded: &LoadedScenario, out: &Path) -> Result<(SimSummary, Vec<RealRun>)> {
+    let s = &loaded.scenario;
+    let mut runs = Vec::new();
+    for strategy in &s.strategies {
+        println!("real run: scenario {} strategy {strategy}", s.name);
+        let run = run_strategy(loaded, strategy, &out.join(strategy))?;
+        print_table(&run.cluster);
+        runs.push(run);
+    }
+    let summary = SimSummary {
+        scenario: s.name.clone(),
+        seed: s.seed,
+        scenario_toml: loaded.text.clone(),
+        target: target_text(&loaded.task, s.target),
+        strategies: runs.iter().map(|r| r.result.clone()).collect(),
+    };
+    Ok((summary, runs))
+}
+
+fn target_text(task: &Task, target: f64) -> String {
+    match task.model {
+        ModelKind::GptTiny => format!("val loss <= {target}"),
+        _ => format!("accuracy >= {target}"),
+    }
+}
+
+/// One strategy as real processes.
+pub fn run_strategy(loaded: &LoadedScenario, strategy: &str, out: &Path) -> Result<RealRun> {
+    let s = &loaded.scenario;
+    if !REAL_STRATEGIES.contains(&strategy) {
+        bail!(
+            "strategy {strategy}: a real cluster runs {} (fedbuff's client rule, restarting each \
+             round from the newest global model, is not in the edge agent yet)",
+            REAL_STRATEGIES.join(", ")
+        );
+    }
+    let plan = plan_edge(s, &loaded.task, strategy).map_err(|e| anyhow!("{}: {e}", s.name))?;
+    if plan.aggregators.len() > 1 {
+        tracing::warn!(
+            "[WARN] {} aggregators: each node gets one relay per aggregator path, so a node's \
+             access link is modelled once per aggregator (more capacity than the scenario's)",
+            plan.aggregators.len()
+        );
+    }
+    let file = cluster_file(loaded, &plan, strategy)?;
+    let args = ClusterArgs {
+        file: PathBuf::from(&s.name),
+        out: Some(out.to_path_buf()),
+        clean_links: false,
+        steps: None,
+        kill: Vec::new(),
+        random_kills: 0,
+        kill_window_s: 60.0,
+        kill_seed: 1,
+        strategies: None,
+        seed: None,
+        data_dir: None,
+    };
+    let cluster = run_cluster_file(file, &args, &s.base_dir)?;
+    let result = strategy_result(s, &loaded.task, strategy, &cluster);
+    let overruns: u64 = cluster.nodes.iter().filter_map(|n| n.pace_overruns).sum();
+    if overruns > 0 {
+        println!(
+            "[WARN] {strategy}: {overruns} paced steps took longer than their device class's step \
+             time on this machine (see the nodes' pace_overruns in {}/summary.json); the real run is \
+             slower than the scenario it stands for",
+            out.display()
+        );
+    }
+    Ok(RealRun { result, cluster })
+}
+
+/// The cluster file of one strategy's real run.
+pub fn cluster_file(
+    loaded: &LoadedScenario,
+    plan: &EdgePlan,
+    strategy: &str,
+) -> Result<ClusterFile> {
+    let s = &loaded.scenario;
+    let edge = s
+        .edge
+        .as_ref()
+        .ok_or_else(|| anyhow!("{}: kind = \"edge\" needs an [edge] table", s.name))?;
+    let names: Vec<&str> = plan.nodes.iter().map(|n| n.name.as_str()).collect();
+    let mut chaos = Vec::new();
+    for c in &plan.churn {
+        if !names.contains(&c.node.as_str()) {
+            bail!("edge.churn: no node named {:?}", c.node);
+        }
+        match c.action {
+            ChurnAction::Crash => chaos.push(ChaosEvent {
+                kill: c.node.clone(),
+                at_s: c.at_s,
+                down_s: c.back_at_s.map_or(0.0, |b| (b - c.at_s).max(0.0)),
+                restart: c.back_at_s.is_some(),
+            }),
+            ChurnAction::Join => {}
+            ChurnAction::Leave => bail!(
+                "edge.churn: node {:?} leaves at {} s: a graceful leave is not reproduced by real \
+                 runs yet (use action = \"crash\", which they reproduce as kill -9 and restart)",
+                c.node,
+                c.at_s
+            ),
+        }
+    }
+    let mut sync = SyncSection {
+        period_steps: s.period,
+        max_attempts: edge.max_attempts,
+        codec: edge.delta_codec.clone(),
+        flush_interval_ms: edge.flush_interval_ms.round().max(1.0) as u64,
+        deadline_mode: match edge.deadline_mode {
+            DeadlineMode::Adaptive => "adaptive".into(),
+            DeadlineMode::Fixed => "fixed".into(),
+        },
+        wait_for_round: matches!(plan.mode, SyncMode::Blocking | SyncMode::FedAvgDeadline),
+        drain_timeout_s: s.max_virtual_s.ceil() as u64,
+        ..SyncSection::default()
+    };
+    if plan.mode == SyncMode::Elastic {
+        sync.max_stale_steps = edge.max_stale_steps;
+        sync.drift_cosine = edge.drift_cosine;
+        sync.lr_damping = edge.lr_damping;
+    }
+    let edges = plan
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let up: relay::RelayLinkSpec = (&n.up).into();
+            let down: relay::RelayLinkSpec = (&n.down).into();
+            EdgeProcess {
+                name: n.name.clone(),
+                relay: Some(EdgeRelay {
+                    up,
+                    down,
+                    seed: s.seed.wrapping_mul(1000).wrapping_add(i as u64),
+                }),
+                deadline_ms: Some(n.deadline_ms.round().max(1.0) as u64),
+                codec: None,
+                transport: None,
+                backend: None,
+                device: None,
+                batch_size: Some(n.batch),
+                pace: Some(PaceSection {
+                    step_ms: n.step_s * n.slowdown.max(f64::MIN_POSITIVE) * 1e3,
+                    jitter: n.jitter,
+                    seed: s.seed.wrapping_add(i as u64),
+                }),
+                start_at_s: n.joins_at_s,
+                link_class: Some(n.class.to_string()),
+            }
+        })
+        .collect();
+    Ok(ClusterFile {
+        cluster: ClusterSection {
+            name: format!("{}-{strategy}", s.name),
+            credentials: "dreamddp-local-cluster".into(),
+            lease_ms: 10_000,
+            timeout_s: (s.max_virtual_s + TIMEOUT_MARGIN_S).ceil() as u64,
+            stop_after_s: Some(s.max_virtual_s),
+            eval_every_s: Some(s.eval_every_s),
+        },
+        model: ModelSection {
+            model: s.model.clone(),
+            dataset: loaded.task.dataset.clone(),
+            data_dir: loaded.data_dir.clone(),
+            seed: s.seed,
+        },
+        training: TrainingDefaults {
+            steps: s.max_steps,
+            batch_size: s.batch,
+            lr: plan.schedule.base_lr,
+            eval_every: 0,
+            eval_limit: s.eval_limit,
+            optimizer: Some(plan.optimizer.clone()),
+            lr_schedule: Some(plan.schedule),
+        },
+        sync,
+        aggregation: aggregation_section(&plan.aggregator),
+        aggregators: plan
+            .aggregators
+            .iter()
+            .map(|a| NamedProcess {
+                name: a.name.clone(),
+            })
+            .collect(),
+        workers: Vec::new(),
+        edges,
+        chaos,
+    })
+}
+
+/// The `[aggregation]` section that makes a real aggregator run `config`.
+fn aggregation_section(config: &AggregatorConfig) -> AggregationSection {
+    let (staleness, a, b) = match config.staleness {
+        StalenessFn::Polynomial { a } => ("poly", a, 0.0),
+        StalenessFn::Hinge { a, b } => ("hinge", a, b),
+        StalenessFn::Constant => ("constant", 0.0, 0.0),
+    };
+    AggregationSection {
+        staleness: staleness.into(),
+        a,
+        b,
+        tau_max: config.tau_max,
+        round_size: config.round_size,
+        round_timeout_ms: config.round_timeout_ns.div_ceil(1_000_000),
+        outer_lr: config.outer_lr,
+        rule: match config.aggregation {
+            Aggregation::Buffered => "fedbuff".into(),
+            Aggregation::WeightedMean => "mean".into(),
+        },
+        min_round_senders: config.min_round_senders,
+    }
+}
+
+/// A real run's result in the simulator's schema. Times are wall seconds since the trainers
+/// were started; `bytes_sent` counts what the relays forwarded (QUIC headers and
+/// acknowledgements included) on the nodes' access links, which is what the simulator's
+/// `cloud` + `edge` classes count (its `aggregator` class has no relay here).
+pub fn strategy_result(
+    s: &Scenario,
+    task: &Task,
+    strategy: &str,
+    c: &ClusterSummary,
+) -> StrategyResult {
+    let lm = matches!(task.model, ModelKind::GptTiny);
+    let series: Vec<SeriesPoint> = c
+        .series
+        .iter()
+        .map(|p| SeriesPoint {
+            time_s: p.time_s,
+            accuracy: if lm { None } else { p.accuracy },
+            loss: p.loss,
+            bytes_sent: p.relay_bytes,
+            mean_steps: 0.0,
+        })
+        .collect();
+    let reached = |p: &SeriesPoint| match p.accuracy {
+        Some(a) if !lm => a >= s.target,
+        _ => lm && p.loss <= s.target,
+    };
+    let time_to_target_s = series.iter().find(|p| reached(p)).map(|p| p.time_s);
+    let last = series.last();
+    let trainers: Vec<_> = c.nodes.iter().filter(|n| n.role == "edge").collect();
+    let steps: Vec<u64> = trainers.iter().filter_map(|n| n.steps).collect();
+    let mean_step_s = if steps.is_empty() {
+        0.0
+    } else {
+        steps
+            .iter()
+            .filter(|&&n| n > 0)
+            .map(|&n| c.trainers_seconds / n as f64)
+            .sum::<f64>()
+            / steps.len() as f64
+    };
+    let mut staleness = std::collections::BTreeMap::new();
+    for n in &c.nodes {
+        for (tau, &count) in n.staleness_histogram.iter().enumerate() {
+            if count > 0 {
+                *staleness.entry(tau as u64).or_insert(0) += count;
+            }
+        }
+    }
+    StrategyResult {
+        strategy: strategy.to_string(),
+        time_to_target_s,
+        final_accuracy: last.and_then(|p| p.accuracy),
+        final_loss: last.map_or(c.final_loss, |p| p.loss),
+        virtual_seconds: c.trainers_seconds,
+        bytes_sent: c.relay_bytes_by_link_class.values().sum(),
+        bytes_by_link_class: c.relay_bytes_by_link_class.clone(),
+        weak_sync_events: c.weak_sync_events,
+        undelivered_deltas: trainers.iter().filter_map(|n| n.undelivered).sum(),
+        cached_at_end: trainers.iter().filter_map(|n| n.cached_at_end).sum(),
+        staleness_histogram: staleness,
+        mean_step_s,
+        wall_seconds: c.wall_seconds,
+        series,
+        timeline: Vec::new(),
+        plan_candidates: Vec::new(),
+    }
+}
