@@ -29,8 +29,11 @@ pub enum Command {
     Bench(BenchArgs),
     /// Run the coordinator (membership, leases, layer map, status endpoint).
     Coordinator(crate::node_cmds::ProcessArgs),
-    /// Start a whole local cluster of real processes from one TOML file and write summary.json.
+    /// Start a whole local cluster of real processes from a cluster file, or run an edge-kind
+    /// scenario as real processes, and write summary.json.
     Cluster(crate::cluster_cmd::ClusterArgs),
+    /// Run an edge-kind scenario simulated and as real processes; report how far apart they are.
+    Fidelity(crate::fidelity_cmd::FidelityArgs),
     /// Run a CPU aggregator process (owns the layers the coordinator maps to it).
     Aggregator(crate::node_cmds::ProcessArgs),
     /// Run a worker node process (N local workers, intra-node collective, talks to aggregators).

@@ -66,6 +66,10 @@ pub struct ClusterArgs {
     /// Scenario runs: override the scenario's seed.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Scenario runs: stop each strategy after this many seconds instead of the scenario's
+    /// `max_virtual_s`.
+    #[arg(long)]
+    pub max_virtual_s: Option<f64>,
     /// Scenario runs: folder holding the data sets (default: $DREAMDDP_DATA_DIR, then
     /// ../shared/data/datasets).
     #[arg(long)]
@@ -160,6 +164,9 @@ pub struct ClusterSummary {
     pub reapplied_after_loss: u64,
     /// Datagrams the relays dropped.
     pub relay_dropped_datagrams: u64,
+    /// The drops by cause (`random_loss`, `burst_loss`, `outage`, `queue_full`,
+    /// `trace_ended`) and the datagrams the relays received (`datagrams_in`).
+    pub relay_datagrams: BTreeMap<String, u64>,
     /// Wall seconds.
     pub wall_seconds: f64,
     /// Everything that makes this run not clean (lost nodes, undelivered deltas, deltas
@@ -804,10 +811,23 @@ async fn run_cluster(
     exits.insert("coordinator".into(), status);
     let mut relay_dropped = 0;
     let mut relay_bytes_by_link_class: BTreeMap<String, u64> = BTreeMap::new();
+    let mut relay_datagrams: BTreeMap<String, u64> = BTreeMap::new();
     for (class, r) in relays {
         let s = r.stats();
         relay_dropped += s.up.dropped.total() + s.down.dropped.total();
         *relay_bytes_by_link_class.entry(class).or_default() += s.up.bytes_out + s.down.bytes_out;
+        for d in [s.up, s.down] {
+            for (k, v) in [
+                ("datagrams_in", d.datagrams_in),
+                ("random_loss", d.dropped.random_loss),
+                ("burst_loss", d.dropped.burst_loss),
+                ("outage", d.dropped.outage),
+                ("queue_full", d.dropped.queue_full),
+                ("trace_ended", d.dropped.trace_ended),
+            ] {
+                *relay_datagrams.entry(k.to_string()).or_default() += v;
+            }
+        }
         r.shutdown().await;
     }
 
@@ -969,6 +989,7 @@ async fn run_cluster(
         ledger_duplicates,
         reapplied_after_loss,
         relay_dropped_datagrams: relay_dropped,
+        relay_datagrams,
         wall_seconds: started.elapsed().as_secs_f64(),
         problems,
         warnings,

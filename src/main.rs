@@ -8,6 +8,7 @@ mod cluster_file;
 mod cluster_health;
 mod compare;
 mod coordinator_cmd;
+mod fidelity_cmd;
 mod global_model;
 mod node_cmds;
 mod plots;
@@ -36,6 +37,7 @@ fn main() {
         cli::Command::Simulate(a) => simulate_cmd::run(*a),
         cli::Command::Coordinator(a) => coordinator_cmd::run(a),
         cli::Command::Cluster(a) => cluster_cmd::run(a),
+        cli::Command::Fidelity(a) => fidelity_cmd::run(a),
         cli::Command::Aggregator(a) => node_cmds::aggregator(a),
         cli::Command::Worker(a) => node_cmds::trainer(a, protocol::Role::Worker),
         cli::Command::Edge(a) => node_cmds::trainer(a, protocol::Role::Edge),

@@ -75,14 +75,16 @@ pub struct LoadedScenario {
     pub data_dir: Option<PathBuf>,
 }
 
-/// Loads an edge-kind scenario (a file or a built-in name) with the `simulate` overrides.
+/// Loads an edge-kind scenario (a file or a built-in name) with the `simulate` overrides and
+/// an optional shorter `max_virtual_s`.
 pub fn load(
     name_or_path: &str,
     seed: Option<u64>,
     strategies: Option<&str>,
     data_dir: Option<&Path>,
+    max_virtual_s: Option<f64>,
 ) -> Result<LoadedScenario> {
-    let (mut scenario, text) = Scenario::load(name_or_path)?;
+    let (mut scenario, mut text) = Scenario::load(name_or_path)?;
     if scenario.kind != ScenarioKind::Edge {
         bail!(
             "scenario {}: only kind = \"edge\" scenarios run as real clusters (this one is {:?}); \
@@ -96,6 +98,16 @@ pub fn load(
     }
     if let Some(list) = strategies {
         scenario.strategies = list.split(',').map(|s| s.trim().to_string()).collect();
+    }
+    if let Some(t) = max_virtual_s {
+        if !(t.is_finite() && t > 0.0) {
+            bail!("--max-virtual-s {t}: must be a positive number of seconds");
+        }
+        scenario.max_virtual_s = t;
+        // The scenario text recorded in summary.json says what ran.
+        let mut table: toml::Table = toml::from_str(&text)?;
+        table.insert("max_virtual_s".into(), toml::Value::Float(t));
+        text = toml::to_string(&table)?;
     }
     let task = crate::simulate_cmd::build_task(&scenario, data_dir)?;
     let data_dir = data_dir
@@ -117,6 +129,7 @@ pub fn run(args: &ClusterArgs) -> Result<SimSummary> {
         args.seed,
         args.strategies.as_deref(),
         args.data_dir.as_deref(),
+        args.max_virtual_s,
     )?;
     let out = args
         .out
@@ -208,6 +221,7 @@ pub fn run_strategy(loaded: &LoadedScenario, strategy: &str, out: &Path) -> Resu
         strategies: None,
         seed: None,
         data_dir: None,
+        max_virtual_s: None,
     };
     let cluster = run_cluster_file(file, &args, &s.base_dir)?;
     let result = strategy_result(s, &loaded.task, strategy, &cluster);

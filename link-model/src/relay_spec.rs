@@ -36,10 +36,16 @@ pub struct RelayLinkSpec {
     /// One-way delay added to every datagram, in ms.
     #[serde(default)]
     pub latency_ms: f64,
-    /// Extra delay per datagram, uniform in `[0, jitter_ms]`; datagrams may overtake each other
-    /// by at most this much.
+    /// Extra delay per datagram, uniform in `[0, jitter_ms]`. Deliveries keep their order (a
+    /// datagram never arrives before one offered earlier), as delay variation from queueing and
+    /// radio scheduling does; see `jitter_reorders`.
     #[serde(default)]
     pub jitter_ms: f64,
+    /// Let jittered datagrams overtake each other (by at most `jitter_ms`), as `netem`'s
+    /// independent per-packet delays do. QUIC declares a packet lost when three later ones are
+    /// acknowledged, so reordering on a fast link reads as loss. Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub jitter_reorders: bool,
     /// I.i.d. drop probability in `[0, 1]`.
     #[serde(default)]
     pub loss: f64,
@@ -72,6 +78,7 @@ impl Default for RelayLinkSpec {
             bandwidth: None,
             latency_ms: 0.0,
             jitter_ms: 0.0,
+            jitter_reorders: false,
             loss: 0.0,
             gilbert_elliott: None,
             outages: Vec::new(),

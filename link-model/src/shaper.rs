@@ -17,8 +17,9 @@
 //!    through [`Trace::transmit`]. A non-looped trace that has ended drops (`TraceEnded`).
 //! 5. **Loss on the wire**: a datagram that was serialized can still be lost by the
 //!    Gilbert–Elliott chain (`BurstLoss`) or the i.i.d. draw (`RandomLoss`); it used capacity.
-//! 6. **Delivery** at `departure + latency + U[0, jitter]`. Without jitter deliveries are in
-//!    offer order (FIFO); with jitter a datagram can overtake another by at most `jitter`.
+//! 6. **Delivery** at `departure + latency + U[0, jitter]`, but never before the previous
+//!    delivery (offer order is kept); with `jitter_reorders` a datagram can overtake another by
+//!    at most `jitter`.
 //!
 //! Payload bytes are what counts against capacity (IP/UDP headers are not added). Times passed
 //! in are clamped to be non-decreasing. No clocks are read here.
@@ -88,6 +89,11 @@ pub struct LinkShaper {
     in_queue: VecDeque<(u64, u64)>,
     queued_bytes: u64,
     last_now_ns: u64,
+    /// `jitter_reorders`: deliveries may overtake each other.
+    jitter_reorders: bool,
+    /// When the last delivered datagram arrives (deliveries keep offer order without
+    /// `jitter_reorders`).
+    last_delivery_ns: u64,
 }
 
 impl LinkShaper {
@@ -139,6 +145,8 @@ impl LinkShaper {
             in_queue: VecDeque::new(),
             queued_bytes: 0,
             last_now_ns: 0,
+            jitter_reorders: spec.jitter_reorders,
+            last_delivery_ns: 0,
         })
     }
 
@@ -211,11 +219,14 @@ impl LinkShaper {
         if random_lost {
             return Verdict::Drop(DropReason::RandomLoss);
         }
-        Verdict::Deliver {
-            at_ns: departure
-                .saturating_add(self.params.latency_ns)
-                .saturating_add(jitter),
+        let mut at_ns = departure
+            .saturating_add(self.params.latency_ns)
+            .saturating_add(jitter);
+        if !self.jitter_reorders {
+            at_ns = at_ns.max(self.last_delivery_ns);
+            self.last_delivery_ns = at_ns;
         }
+        Verdict::Deliver { at_ns }
     }
 
     /// Whether the link is down at `t_ns`.
@@ -319,10 +330,34 @@ mod tests {
     }
 
     #[test]
+    fn jitter_keeps_the_order_of_deliveries_unless_asked_to_reorder() {
+        let spec = |jitter_reorders| RelayLinkSpec {
+            latency_ms: 20.0,
+            jitter_ms: 10.0,
+            jitter_reorders,
+            ..RelayLinkSpec::default()
+        };
+        let overtakes = |reorders| {
+            let v = offer(&mut shaper(&spec(reorders), 9), 2_000, 500_000, 1200);
+            let at: Vec<u64> = v
+                .iter()
+                .map(|&(_, v)| match v {
+                    Verdict::Deliver { at_ns } => at_ns,
+                    Verdict::Drop(r) => panic!("lossless link dropped: {r:?}"),
+                })
+                .collect();
+            at.windows(2).filter(|w| w[1] < w[0]).count()
+        };
+        assert_eq!(overtakes(false), 0);
+        assert!(overtakes(true) > 100, "netem-like jitter reorders");
+    }
+
+    #[test]
     fn latency_and_jitter_stay_in_bounds_and_fifo_without_jitter() {
         let spec = RelayLinkSpec {
             latency_ms: 50.0,
             jitter_ms: 10.0,
+            jitter_reorders: true,
             ..RelayLinkSpec::default()
         };
         let verdicts = offer(&mut shaper(&spec, 5), 5_000, 100_000, 1200);
@@ -605,6 +640,7 @@ mod tests {
             mbit in 1u64..200,
             latency_ms in 0.0f64..100.0,
             jitter_ms in 0.0f64..20.0,
+            jitter_reorders in proptest::bool::ANY,
             loss in 0.0f64..0.5,
             arrivals in proptest::collection::vec((0u64..2_000_000, 1usize..1500), 1..200),
         ) {
@@ -612,6 +648,7 @@ mod tests {
                 bandwidth: Some(Bandwidth::from_mbit(mbit)),
                 latency_ms,
                 jitter_ms,
+                jitter_reorders,
                 loss,
                 ..RelayLinkSpec::default()
             };
@@ -626,8 +663,12 @@ mod tests {
                     let serialization = (len as u64 * 8_000).div_ceil(mbit);
                     prop_assert!(at_ns >= now + serialization + latency);
                     if let Some((_, previous_at)) = previous {
-                        // Overtaking is bounded by the jitter.
-                        prop_assert!(at_ns + jitter >= previous_at);
+                        if jitter_reorders {
+                            // Overtaking is bounded by the jitter.
+                            prop_assert!(at_ns + jitter >= previous_at);
+                        } else {
+                            prop_assert!(at_ns >= previous_at, "order kept");
+                        }
                     }
                     previous = Some((now, at_ns));
                 }

@@ -161,6 +161,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../scenarios/fidelity-smoke.toml"),
     ),
     (
+        "fidelity-fcc",
+        include_str!("../scenarios/fidelity-fcc.toml"),
+    ),
+    (
         "two-datacenters-gpt",
         include_str!("../scenarios/two-datacenters-gpt.toml"),
     ),

@@ -1185,6 +1185,17 @@ impl<'a> World<'a> {
         let Some(client) = n.client.as_ref() else {
             return;
         };
+        // Done for good and nothing left to deliver: the node leaves the cluster, as a real
+        // edge agent does after its drain, and is sent no more layer versions.
+        if n.status == Status::Finished
+            && !n.left
+            && n.subscribed
+            && n.drain.is_empty()
+            && client.undelivered() == 0
+        {
+            n.subscribed = false;
+            n.pending_versions.clear();
+        }
         n.durable_next_seq = client.next_seq();
         if let Some(want) = client.poll_timeout() {
             let at = want.max(self.queue.now().as_nanos());

@@ -1,0 +1,440 @@
+//! `dreamddp fidelity SCENARIO`: runs an edge-kind scenario in the simulator and as real
+//! processes on this machine (`cluster SCENARIO`), and measures how far apart they are per
+//! strategy: time-to-target error, final-accuracy difference, bytes error on the nodes' access
+//! links, weak-sync events both ways, and the total-variation distance between the staleness
+//! histograms. Writes `fidelity.json`, `accuracy_overlay.svg` (simulated and real accuracy
+//! against time on one chart), and both runs' own outputs under `sim/` and `real/`.
+//!
+//! Signs: every error is `(simulated − real) / real`, so a negative time error means the
+//! simulator predicts reaching the target sooner than the real run did.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Result};
+use clap::Args;
+use serde::Serialize;
+use simulations::report::{SimSummary, StrategyResult};
+
+use crate::plots::{line_chart, Series};
+use crate::scenario_cluster::{self, LoadedScenario};
+use crate::train_cmd::write_json;
+
+/// Staleness at or above this is one bucket (the real aggregators' histogram ends there).
+const STALENESS_CAP: u64 = 16;
+
+/// Flags of `fidelity`.
+#[derive(Args, Debug, Clone)]
+pub struct FidelityArgs {
+    /// Built-in scenario name or an edge-kind scenario file.
+    #[arg(default_value = "fidelity-smoke")]
+    pub scenario: String,
+    /// Output folder (default `fidelity-out/<scenario>/`).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Only these strategies (comma-separated; default: the scenario's that a real cluster
+    /// can run).
+    #[arg(long)]
+    pub strategies: Option<String>,
+    /// Override the scenario's seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop both engines after this many seconds instead of the scenario's `max_virtual_s`
+    /// (recorded in the scenario text of both summaries).
+    #[arg(long)]
+    pub max_virtual_s: Option<f64>,
+    /// Folder holding the data sets (default: $DREAMDDP_DATA_DIR, then ../shared/data/datasets).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Fail unless |time-to-target error| ≤ this fraction for every strategy where both
+    /// reached the target (and both or neither reached it).
+    #[arg(long)]
+    pub max_time_error: Option<f64>,
+    /// Fail unless |final-accuracy difference| ≤ this many points for every strategy.
+    #[arg(long)]
+    pub max_accuracy_diff: Option<f64>,
+    /// Fail unless |bytes error| ≤ this fraction for every strategy.
+    #[arg(long)]
+    pub max_bytes_error: Option<f64>,
+}
+
+/// One strategy's comparison in `fidelity.json`.
+#[derive(Clone, Debug, Serialize)]
+pub struct StrategyFidelity {
+    /// Strategy.
+    pub strategy: String,
+    /// Simulated time to target, seconds (`None`: never).
+    pub sim_time_to_target_s: Option<f64>,
+    /// Real time to target, wall seconds since the trainers started (`None`: never).
+    pub real_time_to_target_s: Option<f64>,
+    /// `(sim − real) / real`; `None` when either never reached the target.
+    pub time_to_target_error: Option<f64>,
+    /// Final accuracy, simulated (0..1).
+    pub sim_final_accuracy: Option<f64>,
+    /// Final accuracy, real.
+    pub real_final_accuracy: Option<f64>,
+    /// `(sim − real) · 100`, points.
+    pub final_accuracy_diff: Option<f64>,
+    /// Bytes on the nodes' access links (the simulator's `cloud` + `edge` classes), simulated.
+    pub sim_bytes: u64,
+    /// Bytes the real relays forwarded on the nodes' access links (QUIC headers and acks
+    /// included).
+    pub real_bytes: u64,
+    /// `(sim − real) / real`.
+    pub bytes_error: Option<f64>,
+    /// Weak-sync events, simulated.
+    pub sim_weak_sync_events: u64,
+    /// Weak-sync events, real.
+    pub real_weak_sync_events: u64,
+    /// Total-variation distance between the two staleness histograms (τ ≥ 16 in one bucket),
+    /// 0 (identical) … 1 (disjoint); `None` when either applied nothing.
+    pub staleness_distance: Option<f64>,
+    /// Deltas left undelivered, real (must be 0).
+    pub real_undelivered: u64,
+    /// Paced steps whose real compute overran their device class's step time.
+    pub real_pace_overruns: u64,
+    /// What made the real run not clean, if anything.
+    pub real_problems: Vec<String>,
+}
+
+/// `fidelity.json`.
+#[derive(Clone, Debug, Serialize)]
+pub struct FidelityReport {
+    /// Scenario.
+    pub scenario: String,
+    /// Seed.
+    pub seed: u64,
+    /// Target.
+    pub target: String,
+    /// Per strategy.
+    pub strategies: Vec<StrategyFidelity>,
+    /// Wall seconds of the simulation and of the real runs.
+    pub sim_wall_seconds: f64,
+    /// Wall seconds of the real runs.
+    pub real_wall_seconds: f64,
+}
+
+/// Bytes on the nodes' access links of a result.
+fn access_bytes(r: &StrategyResult) -> u64 {
+    ["cloud", "edge"]
+        .iter()
+        .filter_map(|c| r.bytes_by_link_class.get(*c))
+        .sum()
+}
+
+fn capped(h: &BTreeMap<u64, u64>) -> BTreeMap<u64, f64> {
+    let total: u64 = h.values().sum();
+    let mut out = BTreeMap::new();
+    if total == 0 {
+        return out;
+    }
+    for (&tau, &n) in h {
+        *out.entry(tau.min(STALENESS_CAP)).or_insert(0.0) += n as f64 / total as f64;
+    }
+    out
+}
+
+/// Total-variation distance `½ Σ |p − q|` between two staleness histograms.
+pub fn staleness_distance(a: &BTreeMap<u64, u64>, b: &BTreeMap<u64, u64>) -> Option<f64> {
+    let (p, q) = (capped(a), capped(b));
+    if p.is_empty() || q.is_empty() {
+        return None;
+    }
+    let keys: std::collections::BTreeSet<u64> = p.keys().chain(q.keys()).copied().collect();
+    Some(
+        0.5 * keys
+            .iter()
+            .map(|k| (p.get(k).unwrap_or(&0.0) - q.get(k).unwrap_or(&0.0)).abs())
+            .sum::<f64>(),
+    )
+}
+
+fn signed_error(sim: f64, real: f64) -> Option<f64> {
+    (real > 0.0).then(|| (sim - real) / real)
+}
+
+/// Compares one strategy's simulated and real results.
+pub fn compare(sim: &StrategyResult, real: &scenario_cluster::RealRun) -> StrategyFidelity {
+    let r = &real.result;
+    let time_to_target_error = match (sim.time_to_target_s, r.time_to_target_s) {
+        (Some(s), Some(t)) => signed_error(s, t),
+        _ => None,
+    };
+    let final_accuracy_diff = match (sim.final_accuracy, r.final_accuracy) {
+        (Some(s), Some(t)) => Some((s - t) * 100.0),
+        _ => None,
+    };
+    let (sim_bytes, real_bytes) = (access_bytes(sim), r.bytes_sent);
+    StrategyFidelity {
+        strategy: sim.strategy.clone(),
+        sim_time_to_target_s: sim.time_to_target_s,
+        real_time_to_target_s: r.time_to_target_s,
+        time_to_target_error,
+        sim_final_accuracy: sim.final_accuracy,
+        real_final_accuracy: r.final_accuracy,
+        final_accuracy_diff,
+        sim_bytes,
+        real_bytes,
+        bytes_error: signed_error(sim_bytes as f64, real_bytes as f64),
+        sim_weak_sync_events: sim.weak_sync_events,
+        real_weak_sync_events: r.weak_sync_events,
+        staleness_distance: staleness_distance(&sim.staleness_histogram, &r.staleness_histogram),
+        real_undelivered: r.undelivered_deltas,
+        real_pace_overruns: real
+            .cluster
+            .nodes
+            .iter()
+            .filter_map(|n| n.pace_overruns)
+            .sum(),
+        real_problems: real.cluster.problems.clone(),
+    }
+}
+
+fn pct(v: Option<f64>) -> String {
+    v.map_or("-".into(), |e| format!("{:+.1}%", e * 100.0))
+}
+
+fn secs(v: Option<f64>) -> String {
+    v.map_or("never".into(), |t| format!("{t:.1}"))
+}
+
+fn acc(v: Option<f64>) -> String {
+    v.map_or("-".into(), |a| format!("{:.2}%", a * 100.0))
+}
+
+fn print_report(r: &FidelityReport) {
+    println!();
+    println!(
+        "fidelity of scenario {} (seed {}), target {}: simulated vs real (errors are (sim − real) / real)",
+        r.scenario, r.seed, r.target
+    );
+    println!(
+        "{:<17} {:>9} {:>9} {:>8} {:>9} {:>9} {:>7} {:>10} {:>10} {:>7} {:>9} {:>6}",
+        "strategy",
+        "sim tt s",
+        "real tt s",
+        "tt err",
+        "sim acc",
+        "real acc",
+        "Δ pts",
+        "sim MiB",
+        "real MiB",
+        "B err",
+        "weak s/r",
+        "TV τ"
+    );
+    for s in &r.strategies {
+        println!(
+            "{:<17} {:>9} {:>9} {:>8} {:>9} {:>9} {:>7} {:>10.1} {:>10.1} {:>7} {:>9} {:>6}",
+            s.strategy,
+            secs(s.sim_time_to_target_s),
+            secs(s.real_time_to_target_s),
+            pct(s.time_to_target_error),
+            acc(s.sim_final_accuracy),
+            acc(s.real_final_accuracy),
+            s.final_accuracy_diff
+                .map_or("-".into(), |d| format!("{d:+.2}")),
+            s.sim_bytes as f64 / (1u64 << 20) as f64,
+            s.real_bytes as f64 / (1u64 << 20) as f64,
+            pct(s.bytes_error),
+            format!("{}/{}", s.sim_weak_sync_events, s.real_weak_sync_events),
+            s.staleness_distance
+                .map_or("-".into(), |d| format!("{d:.2}")),
+        );
+        if s.real_pace_overruns > 0 {
+            println!(
+                "[WARN] {}: {} paced steps overran their device class's step time on this machine",
+                s.strategy, s.real_pace_overruns
+            );
+        }
+        for p in &s.real_problems {
+            println!("[WARN] {}: real run: {p}", s.strategy);
+        }
+    }
+}
+
+/// Checks the optional bounds; the error lists every cell outside them.
+fn check_bounds(args: &FidelityArgs, r: &FidelityReport) -> Result<()> {
+    let mut out = Vec::new();
+    for s in &r.strategies {
+        if !s.real_problems.is_empty() {
+            out.push(format!("{}: the real run was not clean", s.strategy));
+        }
+        if let Some(max) = args.max_time_error {
+            match (
+                s.sim_time_to_target_s,
+                s.real_time_to_target_s,
+                s.time_to_target_error,
+            ) {
+                (_, _, Some(e)) if e.abs() > max => out.push(format!(
+                    "{}: time-to-target error {:+.1}% exceeds ±{:.0}%",
+                    s.strategy,
+                    e * 100.0,
+                    max * 100.0
+                )),
+                (Some(_), None, _) | (None, Some(_), _) => out.push(format!(
+                    "{}: only one of the two runs reached the target (sim {}, real {})",
+                    s.strategy,
+                    secs(s.sim_time_to_target_s),
+                    secs(s.real_time_to_target_s)
+                )),
+                _ => {}
+            }
+        }
+        if let (Some(max), Some(d)) = (args.max_accuracy_diff, s.final_accuracy_diff) {
+            if d.abs() > max {
+                out.push(format!(
+                    "{}: final accuracy differs by {d:+.2} points (bound ±{max})",
+                    s.strategy
+                ));
+            }
+        }
+        if let (Some(max), Some(e)) = (args.max_bytes_error, s.bytes_error) {
+            if e.abs() > max {
+                out.push(format!(
+                    "{}: bytes error {:+.1}% exceeds ±{:.0}%",
+                    s.strategy,
+                    e * 100.0,
+                    max * 100.0
+                ));
+            }
+        }
+    }
+    if out.is_empty() {
+        Ok(())
+    } else {
+        bail!(
+            "fidelity outside the bounds asked for:\n  {}",
+            out.join("\n  ")
+        )
+    }
+}
+
+/// Runs `fidelity`.
+pub fn run(args: FidelityArgs) -> Result<()> {
+    let mut loaded: LoadedScenario = scenario_cluster::load(
+        &args.scenario,
+        args.seed,
+        args.strategies.as_deref(),
+        args.data_dir.as_deref(),
+        args.max_virtual_s,
+    )?;
+    if args.strategies.is_none() {
+        loaded
+            .scenario
+            .strategies
+            .retain(|s| scenario_cluster::REAL_STRATEGIES.contains(&s.as_str()));
+    }
+    let s = &loaded.scenario;
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("fidelity-out").join(&s.name));
+    std::fs::create_dir_all(&out)?;
+
+    // The simulation.
+    let started = Instant::now();
+    let mut sim_results = Vec::new();
+    for strategy in &s.strategies {
+        let t = Instant::now();
+        let mut r = simulations::edge::run_edge(s, &loaded.task, strategy, &mut |_| {})
+            .map_err(|e| anyhow!("scenario {} strategy {strategy}: {e}", s.name))?;
+        r.wall_seconds = t.elapsed().as_secs_f64();
+        sim_results.push(r);
+    }
+    let sim_wall_seconds = started.elapsed().as_secs_f64();
+    let sim = SimSummary {
+        scenario: s.name.clone(),
+        seed: s.seed,
+        scenario_toml: loaded.text.clone(),
+        target: String::new(),
+        strategies: sim_results,
+    };
+    // The real runs.
+    let started = Instant::now();
+    let (real, runs) = scenario_cluster::run_all(&loaded, &out.join("real"))?;
+    let real_wall_seconds = started.elapsed().as_secs_f64();
+    let sim = SimSummary {
+        target: real.target.clone(),
+        ..sim
+    };
+    crate::simulate_cmd::write_outputs(&out.join("sim"), &sim)?;
+    crate::simulate_cmd::write_outputs(&out.join("real"), &real)?;
+
+    let report = FidelityReport {
+        scenario: s.name.clone(),
+        seed: s.seed,
+        target: real.target.clone(),
+        strategies: sim
+            .strategies
+            .iter()
+            .zip(&runs)
+            .map(|(a, b)| compare(a, b))
+            .collect(),
+        sim_wall_seconds,
+        real_wall_seconds,
+    };
+    write_json(&out.join("fidelity.json"), &report)?;
+    let lm = sim.strategies.iter().all(|r| r.final_accuracy.is_none());
+    let metric = |p: &simulations::report::SeriesPoint| {
+        if lm {
+            p.loss
+        } else {
+            p.accuracy.unwrap_or(0.0) * 100.0
+        }
+    };
+    let overlay: Vec<Series> = sim
+        .strategies
+        .iter()
+        .map(|r| (r, "sim"))
+        .chain(real.strategies.iter().map(|r| (r, "real")))
+        .map(|(r, engine)| Series {
+            label: format!("{} ({engine})", r.strategy),
+            points: r.series.iter().map(|p| (p.time_s, metric(p))).collect(),
+        })
+        .collect();
+    line_chart(
+        &out.join("accuracy_overlay.svg"),
+        "time (s): virtual (sim), wall since the trainers started (real)",
+        if lm {
+            "validation loss"
+        } else {
+            "test accuracy (%)"
+        },
+        &overlay,
+    )?;
+    print_report(&report);
+    println!(
+        "wrote {}/fidelity.json, accuracy_overlay.svg, sim/ and real/",
+        out.display()
+    );
+    check_bounds(&args, &report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staleness_distance_is_total_variation_with_a_capped_tail() {
+        let a = BTreeMap::from([(0, 5), (1, 5)]);
+        assert_eq!(staleness_distance(&a, &a), Some(0.0));
+        let b = BTreeMap::from([(2, 10)]);
+        assert_eq!(staleness_distance(&a, &b), Some(1.0));
+        // τ 16 and 40 are one bucket.
+        let c = BTreeMap::from([(16, 3)]);
+        let d = BTreeMap::from([(40, 1)]);
+        assert_eq!(staleness_distance(&c, &d), Some(0.0));
+        let half = BTreeMap::from([(0, 5), (2, 5)]);
+        assert!((staleness_distance(&a, &half).unwrap() - 0.5).abs() < 1e-12);
+        assert_eq!(staleness_distance(&a, &BTreeMap::new()), None);
+    }
+
+    #[test]
+    fn errors_are_signed_fractions_of_the_real_value() {
+        assert_eq!(signed_error(12.0, 10.0), Some(0.19999999999999996));
+        assert_eq!(signed_error(8.0, 10.0), Some(-0.2));
+        assert_eq!(signed_error(1.0, 0.0), None);
+    }
+}
