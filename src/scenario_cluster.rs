@@ -293,8 +293,13 @@ pub fn cluster_file(
         .iter()
         .enumerate()
         .map(|(i, n)| {
-            let up: relay::RelayLinkSpec = (&n.up).into();
-            let down: relay::RelayLinkSpec = (&n.down).into();
+            // The same spec; the relay's queue is as deep as the simulator's (see
+            // `SCENARIO_QUEUE_MS`) unless the scenario bounds it.
+            let mut up = n.up.clone();
+            let mut down = n.down.clone();
+            for d in [&mut up, &mut down] {
+                d.queue_ms = d.queue_ms.or(Some(relay::SCENARIO_QUEUE_MS));
+            }
             EdgeProcess {
                 name: n.name.clone(),
                 relay: Some(EdgeRelay {
@@ -445,5 +450,79 @@ pub fn strategy_result(
         series,
         timeline: Vec::new(),
         plan_candidates: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn smoke(strategy: &str) -> (LoadedScenario, EdgePlan, ClusterFile) {
+        let loaded = load("fidelity-smoke", None, Some(strategy), None, Some(30.0)).unwrap();
+        let plan = plan_edge(&loaded.scenario, &loaded.task, strategy).unwrap();
+        let file = cluster_file(&loaded, &plan, strategy).unwrap();
+        (loaded, plan, file)
+    }
+
+    #[test]
+    fn scenarios_and_cluster_files_are_told_apart() {
+        assert!(is_scenario(Path::new("fidelity-smoke")).unwrap());
+        assert!(!is_scenario(Path::new("no-such-scenario")).unwrap());
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        assert!(is_scenario(&root.join("simulations/scenarios/default.toml")).unwrap());
+        assert!(!is_scenario(&root.join("examples/cluster-lossy.toml")).unwrap());
+    }
+
+    #[test]
+    fn the_cluster_file_carries_the_simulators_numbers() {
+        let (loaded, plan, file) = smoke("elastic");
+        let s = &loaded.scenario;
+        assert_eq!(file.edges.len(), 3);
+        assert_eq!(file.cluster.stop_after_s, Some(30.0), "--max-virtual-s");
+        assert!(loaded.text.contains("max_virtual_s = 30"), "recorded");
+        for (e, n) in file.edges.iter().zip(&plan.nodes) {
+            let pace = e.pace.as_ref().unwrap();
+            // Jetson Orin × slowdown 100: about 0.1 s per step.
+            assert!((pace.step_ms - n.step_s * 100.0 * 1e3).abs() < 1e-9);
+            assert!((50.0..200.0).contains(&pace.step_ms), "{}", pace.step_ms);
+            assert_eq!(pace.jitter, 0.2);
+            assert_eq!(e.deadline_ms, Some(n.deadline_ms.round() as u64));
+            assert!(e.deadline_ms.unwrap() > 500, "slack + transfer time");
+            assert_eq!(e.batch_size, Some(s.batch));
+            let relay = e.relay.as_ref().unwrap();
+            assert_eq!(relay.up.latency_ms, n.up.latency_ms);
+            assert_eq!(relay.up.loss, n.up.loss);
+        }
+        // edge-0 and edge-2 on the LTE traces, edge-1 on the constant link.
+        assert!(file.edges[0].relay.as_ref().unwrap().up.trace.is_some());
+        assert!(file.edges[1].relay.as_ref().unwrap().up.bandwidth.is_some());
+        assert!(!file.sync.wait_for_round);
+        assert_eq!(file.aggregation.round_size, 1);
+        assert!((file.aggregation.outer_lr - 0.34).abs() < 1e-6);
+        assert_eq!(file.training.lr_schedule, Some(plan.schedule));
+    }
+
+    #[test]
+    fn blocking_waits_for_rounds_of_every_node() {
+        let (_, _, file) = smoke("blocking");
+        assert!(file.sync.wait_for_round);
+        assert_eq!(file.aggregation.round_size, 3);
+        assert_eq!(file.aggregation.outer_lr, 1.0);
+        assert_eq!(file.aggregation.rule, "mean");
+    }
+
+    #[test]
+    fn strategies_without_a_real_client_rule_are_refused_clearly() {
+        let loaded = load("fidelity-smoke", None, Some("fedbuff"), None, None).unwrap();
+        let err = run_strategy(&loaded, "fedbuff", Path::new("/nonexistent"))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("fedbuff") && err.contains("elastic"), "{err}");
+        let err = load("two-datacenters", None, None, None, None)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("kind = \"edge\""), "{err}");
     }
 }

@@ -307,6 +307,33 @@ fn fresh_equal_sample_deltas_average_plainly_and_clients_converge() {
 }
 
 #[test]
+fn a_synchronous_round_completes_only_when_every_node_s_delta_is_in_the_version() {
+    // Round size 2: node 0's delta is acknowledged only once node 1's arrives and the
+    // round is applied; until the new version is back, node 0's round is not over.
+    let config = AggregatorConfig {
+        round_size: 2,
+        round_timeout_ns: 1_000_000_000_000,
+        ..Default::default()
+    };
+    let mut w = World::new(2, config);
+    assert!(w.nodes[0].client.round_complete(), "nothing sent yet");
+    w.train(0, 1, &[1.0; LEN], 8);
+    assert!(!w.nodes[0].client.round_complete(), "delta in flight");
+    w.run_until(10 * LATENCY);
+    assert!(
+        !w.nodes[0].client.round_complete(),
+        "the round waits for node 1"
+    );
+    w.train(1, 1, &[3.0; LEN], 8);
+    w.run_until(20 * LATENCY);
+    for (i, n) in w.nodes.iter().enumerate() {
+        assert!(n.client.round_complete(), "node {i}");
+        assert_eq!(n.client.version(0), Some(1), "node {i} has the round's version");
+    }
+    assert_eq!(w.global(), add(&w.theta0, &[2.0; LEN]));
+}
+
+#[test]
 fn a_cut_during_flight_is_deferred_and_rebase_keeps_local_progress() {
     let mut w = World::new(2, async_config());
     w.train(0, 1, &[1.0; LEN], 8);

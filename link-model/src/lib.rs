@@ -6,22 +6,25 @@
 //! * [`vocabulary`] — [`Bandwidth`], [`GilbertElliottSpec`] and its chain [`GilbertElliott`],
 //!   [`OutageSpec`], [`PeriodicOutageSpec`], [`TraceSpec`];
 //! * [`trace`] — mahimahi and `time_s Mbit/s` traces and their replay ([`Trace`]);
-//! * [`relay_spec`] — [`RelayLinkSpec`]: one direction of a relayed link (capacity optional,
-//!   queue bound, periodic outages), validated with errors naming the field;
+//! * [`spec`] — [`LinkSpec`]: one direction of a link, the one spec of scenarios, relays and
+//!   cluster files, validated with errors naming the field ([`LinkSpec::checked`]);
 //! * [`shaper`] — [`LinkShaper`]: the sans-IO per-datagram behaviour of such a link (drop with a
 //!   [`DropReason`], or deliver at a time), deterministic for a seed.
 //!
 //! The simulator's message-level QUIC link (`simulations::Link`) is built from the same
-//! vocabulary; the relay is the tokio shell around [`LinkShaper`].
+//! [`LinkSpec`]; the relay is the tokio shell around [`LinkShaper`].
 
-pub mod relay_spec;
 pub mod rng;
 pub mod shaper;
+pub mod spec;
 pub mod time;
 pub mod trace;
 pub mod vocabulary;
 
-pub use relay_spec::{RelayLinkSpec, RelaySpecError, DEFAULT_QUEUE_MS};
+pub use spec::{
+    CapacitySource, CheckedLink, LinkSpec, LinkSpecError, RelayLinkSpec, RelaySpecError,
+    DEFAULT_QUEUE_MS, SCENARIO_QUEUE_MS,
+};
 pub use rng::SimRng;
 pub use shaper::{DropReason, LinkShaper, Verdict};
 pub use time::{SimDuration, SimTime};

@@ -24,7 +24,7 @@
 //! Payload bytes are what counts against capacity (IP/UDP headers are not added). Times passed
 //! in are clamped to be non-decreasing. No clocks are read here.
 
-use crate::relay_spec::{CapacitySource, LinkParams, RelayLinkSpec, RelaySpecError};
+use crate::spec::{CapacitySource, CheckedLink, RelayLinkSpec, RelaySpecError};
 use crate::rng::SimRng;
 use crate::time::{SimTime, NANOS_PER_SEC};
 use crate::trace::{Trace, TraceCursor};
@@ -75,7 +75,7 @@ enum Capacity {
 /// One direction of the relayed link as a state machine: see the module documentation.
 #[derive(Clone, Debug)]
 pub struct LinkShaper {
-    params: LinkParams,
+    params: CheckedLink,
     capacity: Capacity,
     /// Queue bound in bytes; `None` for an unlimited link.
     queue_limit_bytes: Option<u64>,
@@ -104,7 +104,7 @@ impl LinkShaper {
         trace: Option<Arc<Trace>>,
         seed: u64,
     ) -> Result<LinkShaper, RelaySpecError> {
-        let params = spec.params()?;
+        let params = spec.checked()?;
         let capacity = match (&params.capacity, trace) {
             (CapacitySource::Unlimited, _) => Capacity::Unlimited,
             (CapacitySource::Constant { bits_per_sec }, _) => Capacity::Constant {
@@ -130,7 +130,7 @@ impl LinkShaper {
         };
         let queue_limit_bytes = bits_per_sec.map(|bps| {
             spec.queue_bytes
-                .unwrap_or_else(|| (bps / 8.0 * spec.queue_ms / 1e3).max(1.0) as u64)
+                .unwrap_or_else(|| (bps / 8.0 * spec.queue_ms_or_default() / 1e3).max(1.0) as u64)
         });
         let root = SimRng::new(seed);
         Ok(LinkShaper {
@@ -420,7 +420,7 @@ mod tests {
     fn queue_bound_tail_drops_a_burst() {
         let spec = RelayLinkSpec {
             bandwidth: Some(Bandwidth::from_mbit(1)),
-            queue_ms: 100.0,
+            queue_ms: Some(100.0),
             ..RelayLinkSpec::default()
         };
         let mut s = shaper(&spec, 7);
@@ -487,7 +487,7 @@ mod tests {
     fn queued_datagrams_whose_turn_falls_in_an_outage_are_dropped() {
         let spec = RelayLinkSpec {
             bandwidth: Some(Bandwidth::from_mbit(1)),
-            queue_ms: 1000.0,
+            queue_ms: Some(1000.0),
             outages: vec![OutageSpec {
                 start_s: 0.02,
                 duration_s: 0.1,
@@ -624,7 +624,7 @@ mod tests {
                 loss_good: 0.0,
                 loss_bad: 0.6,
             }),
-            queue_ms: 20.0,
+            queue_ms: Some(20.0),
             ..RelayLinkSpec::default()
         };
         let run = |seed| offer(&mut shaper(&spec, seed), 3_000, 300_000, 1300);

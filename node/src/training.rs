@@ -57,8 +57,11 @@ fn scale_of(scales: &[(usize, f32)], index: usize) -> f32 {
 pub struct NodeTrainConfig {
     /// Local workers (threads), ≥ 1.
     pub workers: usize,
-    /// Optimizer steps to run.
+    /// Optimizer steps to run, counted from step 0.
     pub steps: u64,
+    /// Steps an earlier run of this node already trained: training resumes at this step (its
+    /// learning rate and step numbers), so a restarted node does not train its steps twice.
+    pub first_step: u64,
     /// Per-worker batch size.
     pub batch_size: usize,
     /// Model init and data-order seed (the same on every node of a cluster).
@@ -187,11 +190,11 @@ pub fn run_node_training(
             let broadcast = Arc::clone(&broadcast);
             let scales = Arc::clone(&scales);
             let stop = Arc::clone(&stop);
-            let steps = config.steps;
+            let (first_step, steps) = (config.first_step, config.steps);
             handles.push(scope.spawn(move || -> Result<Vec<f32>, NodeTrainError> {
                 let _guard = AbortOnPanic::new(collective.as_ref(), rank);
                 let mut my_scales = Vec::new();
-                for step in 0..steps {
+                for step in first_step..steps {
                     train_step(&mut replica, collective.as_ref(), rank, step, &my_scales)?;
                     barrier.wait();
                     barrier.wait();
@@ -214,9 +217,9 @@ pub fn run_node_training(
         let _guard = AbortOnPanic::new(collective.as_ref(), 0);
         let mut losses = std::collections::VecDeque::with_capacity(50);
         let mut result: Result<(), NodeTrainError> = Ok(());
-        let mut done = 0;
+        let mut done = config.first_step.min(config.steps);
         let mut leader_scales: Vec<(usize, f32)> = Vec::new();
-        for step in 0..config.steps {
+        for step in config.first_step..config.steps {
             let loss = match train_step(&mut leader, collective.as_ref(), 0, step, &leader_scales) {
                 Ok(l) => l,
                 Err(e) => {
@@ -377,6 +380,7 @@ mod tests {
 
     fn config(workers: usize, steps: u64) -> NodeTrainConfig {
         NodeTrainConfig {
+            first_step: 0,
             workers,
             steps,
             batch_size: 16,

@@ -27,12 +27,12 @@ pub mod stats;
 pub mod udp_relay;
 
 /// The relayed link's spec and its sans-IO shaper live in the shared link model.
-pub use link_model::{relay_spec as spec, shaper};
+pub use link_model::{shaper, spec};
 
 pub use config::{load_relay_config, RelayConfig};
 pub use error::RelayError;
 pub use link_model::PeriodicOutageSpec;
 pub use shaper::{DropReason, LinkShaper, Verdict};
-pub use spec::{RelayLinkSpec, RelaySpecError, DEFAULT_QUEUE_MS};
+pub use spec::{LinkSpec, RelayLinkSpec, RelaySpecError, DEFAULT_QUEUE_MS, SCENARIO_QUEUE_MS};
 pub use stats::{DirectionStats, DropCounts, RelayStats};
 pub use udp_relay::{spawn_relay, RelayHandle};

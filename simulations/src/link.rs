@@ -41,7 +41,8 @@
 pub use link_model::vocabulary::{
     Bandwidth, BandwidthParseError, GilbertElliott, GilbertElliottSpec, OutageSpec, TraceSpec,
 };
-use link_model::RelayLinkSpec;
+pub use link_model::{LinkSpec, LinkSpecError};
+use link_model::CapacitySource;
 
 use crate::rng::SimRng;
 use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
@@ -58,195 +59,40 @@ pub const PACKET_THRESHOLD: u64 = 3;
 /// Timer granularity of the RTT estimator (RFC 9002 kGranularity).
 pub const TIMER_GRANULARITY: SimDuration = SimDuration::from_millis(1);
 
-fn default_mtu() -> u32 {
-    1500
+/// Checks `spec` as the simulator reads it: every field ([`LinkSpec::checked`]), plus a
+/// capacity (`bandwidth` or `trace`), and no periodic outage (list its windows in `outages`).
+pub fn validate_link(spec: &LinkSpec) -> Result<(), LinkSpecError> {
+    sim_params(spec).map(|_| ())
 }
 
-fn default_idle_timeout_s() -> f64 {
-    30.0
-}
-
-fn is_default_mtu(mtu: &u32) -> bool {
-    *mtu == default_mtu()
-}
-
-/// Everything a scenario says about one direction of a link. Exactly one of `bandwidth` and
-/// `trace` gives the capacity.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LinkSpec {
-    /// Constant capacity.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bandwidth: Option<Bandwidth>,
-    /// One-way propagation delay in ms.
-    #[serde(default)]
-    pub latency_ms: f64,
-    /// Extra per-packet delay, uniform in `[0, jitter_ms]`.
-    #[serde(default)]
-    pub jitter_ms: f64,
-    /// I.i.d. packet loss probability in `[0, 1]`.
-    #[serde(default)]
-    pub loss: f64,
-    /// Bursty loss, applied in addition to `loss`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gilbert_elliott: Option<GilbertElliottSpec>,
-    /// Periods with no delivery at all.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub outages: Vec<OutageSpec>,
-    /// Trace-driven capacity.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub trace: Option<TraceSpec>,
-    /// Largest packet payload in bytes (default 1500).
-    #[serde(default = "default_mtu", skip_serializing_if = "is_default_mtu")]
-    pub mtu: u32,
-    /// The connection is declared dead after this long without an acknowledgement (default 30 s).
-    #[serde(default = "default_idle_timeout_s")]
-    pub idle_timeout_s: f64,
-}
-
-impl LinkSpec {
-    /// A lossless link of constant `bandwidth` and one-way `latency_ms`, everything else default.
-    pub fn constant(bandwidth: Bandwidth, latency_ms: f64) -> LinkSpec {
-        LinkSpec {
-            bandwidth: Some(bandwidth),
-            latency_ms,
-            jitter_ms: 0.0,
-            loss: 0.0,
-            gilbert_elliott: None,
-            outages: Vec::new(),
-            trace: None,
-            mtu: default_mtu(),
-            idle_timeout_s: default_idle_timeout_s(),
-        }
+fn sim_params(spec: &LinkSpec) -> Result<LinkParams, LinkSpecError> {
+    let checked = spec.checked()?;
+    if checked.capacity == CapacitySource::Unlimited {
+        return Err(LinkSpecError {
+            field: "bandwidth".into(),
+            problem: "is missing: a simulated link needs `bandwidth` or `trace`".into(),
+        });
     }
-
-    /// Checks every field; the error names the field and the bad value.
-    pub fn validate(&self) -> Result<(), LinkSpecError> {
-        self.params().map(|_| ())
+    if checked.periodic_outage.is_some() {
+        return Err(LinkSpecError {
+            field: "periodic_outage".into(),
+            problem: "is a relay-only key: the simulator takes outage windows, list them in \
+                      `outages`"
+                .into(),
+        });
     }
-
-    fn params(&self) -> Result<LinkParams, LinkSpecError> {
-        let invalid = |message: String| Err(LinkSpecError { message });
-        match (&self.bandwidth, &self.trace) {
-            (Some(_), Some(_)) => {
-                return invalid("give either `bandwidth` or `trace`, not both".into())
-            }
-            (None, None) => return invalid("missing capacity: give `bandwidth` or `trace`".into()),
-            (Some(b), None) if b.bits_per_sec() == 0 => {
-                return invalid("bandwidth must be positive, got 0".into())
-            }
-            _ => {}
-        }
-        let Some(latency) = SimDuration::try_from_millis_f64(self.latency_ms) else {
-            return invalid(format!(
-                "latency_ms must be finite and >= 0, got {}",
-                self.latency_ms
-            ));
-        };
-        let Some(jitter) = SimDuration::try_from_millis_f64(self.jitter_ms) else {
-            return invalid(format!(
-                "jitter_ms must be finite and >= 0, got {}",
-                self.jitter_ms
-            ));
-        };
-        let probability = |name: &str, p: f64| {
-            if (0.0..=1.0).contains(&p) {
-                Ok(p)
-            } else {
-                Err(LinkSpecError {
-                    message: format!("{name} must be in [0,1], got {p}"),
-                })
-            }
-        };
-        let loss = probability("loss", self.loss)?;
-        if let Some(ge) = &self.gilbert_elliott {
-            probability("gilbert_elliott.p_good_to_bad", ge.p_good_to_bad)?;
-            probability("gilbert_elliott.p_bad_to_good", ge.p_bad_to_good)?;
-            probability("gilbert_elliott.loss_good", ge.loss_good)?;
-            probability("gilbert_elliott.loss_bad", ge.loss_bad)?;
-        }
-        let mut outages = Vec::with_capacity(self.outages.len());
-        for (i, outage) in self.outages.iter().enumerate() {
-            let Some(start) = SimTime::try_from_secs_f64(outage.start_s) else {
-                return invalid(format!(
-                    "outages[{i}].start_s must be finite and >= 0, got {}",
-                    outage.start_s
-                ));
-            };
-            let duration = match SimDuration::try_from_secs_f64(outage.duration_s) {
-                Some(d) if d > SimDuration::ZERO => d,
-                _ => {
-                    return invalid(format!(
-                        "outages[{i}].duration_s must be finite and > 0, got {}",
-                        outage.duration_s
-                    ))
-                }
-            };
-            outages.push((start, start + duration));
-        }
-        outages.sort_unstable();
-        let mut merged: Vec<(SimTime, SimTime)> = Vec::with_capacity(outages.len());
-        for (start, end) in outages {
-            match merged.last_mut() {
-                Some(last) if start <= last.1 => last.1 = last.1.max(end),
-                _ => merged.push((start, end)),
-            }
-        }
-        if self.mtu == 0 || self.mtu > 65_535 {
-            return invalid(format!("mtu must be in 1..=65535 bytes, got {}", self.mtu));
-        }
-        let idle_timeout = match SimDuration::try_from_secs_f64(self.idle_timeout_s) {
-            Some(d) if d > SimDuration::ZERO => d,
-            _ => {
-                return invalid(format!(
-                    "idle_timeout_s must be finite and > 0, got {}",
-                    self.idle_timeout_s
-                ))
-            }
-        };
-        Ok(LinkParams {
-            latency,
-            jitter,
-            loss,
-            outages: merged,
-            mtu: u64::from(self.mtu),
-            idle_timeout,
-        })
-    }
-}
-
-/// Queue bound of the relay equivalent of a simulator link, in ms of its rate. The simulator's
-/// link is a FIFO without bound (as mahimahi's default droptail queue), whose sender never
-/// overfills it; a relay queue this deep never tail-drops what a paced QUIC sender (BBR) puts
-/// in flight, where the relay's 200 ms default dropped a third of all datagrams in
-/// `fidelity-smoke`.
-pub const RELAY_EQUIVALENT_QUEUE_MS: f64 = 10_000.0;
-
-impl From<&LinkSpec> for RelayLinkSpec {
-    /// The relay equivalent of a simulator link (its `mtu` and `idle_timeout_s` describe the QUIC
-    /// model and have no relay counterpart; the queue is [`RELAY_EQUIVALENT_QUEUE_MS`] deep).
-    fn from(spec: &LinkSpec) -> RelayLinkSpec {
-        RelayLinkSpec {
-            queue_ms: RELAY_EQUIVALENT_QUEUE_MS,
-            bandwidth: spec.bandwidth,
-            latency_ms: spec.latency_ms,
-            jitter_ms: spec.jitter_ms,
-            loss: spec.loss,
-            gilbert_elliott: spec.gilbert_elliott,
-            outages: spec.outages.clone(),
-            periodic_outage: None,
-            trace: spec.trace.clone(),
-            ..RelayLinkSpec::default()
-        }
-    }
-}
-
-/// A [`LinkSpec`] field with a bad value; the message names the field and the value.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[error("{message}")]
-pub struct LinkSpecError {
-    /// E.g. `loss must be in [0,1], got 1.5`.
-    pub message: String,
+    Ok(LinkParams {
+        latency: SimDuration::from_nanos(checked.latency_ns),
+        jitter: SimDuration::from_nanos(checked.jitter_ns),
+        loss: checked.loss,
+        outages: checked
+            .outages
+            .iter()
+            .map(|&(a, b)| (SimTime::from_nanos(a), SimTime::from_nanos(b)))
+            .collect(),
+        mtu: u64::from(checked.mtu),
+        idle_timeout: SimDuration::from_nanos(checked.idle_timeout_ns),
+    })
 }
 
 /// Why a [`Link`] could not be built.
@@ -424,7 +270,7 @@ impl Link {
         trace: Option<Arc<Trace>>,
         rng: &SimRng,
     ) -> Result<Link, LinkError> {
-        let params = spec.params()?;
+        let params = sim_params(spec)?;
         let capacity = match (&spec.bandwidth, &spec.trace) {
             (Some(b), _) => Capacity::Constant {
                 bits_per_sec: b.bits_per_sec(),
@@ -456,7 +302,7 @@ impl Link {
 
     /// Builds a link, loading its trace (if any) relative to `base_dir`.
     pub fn from_spec(spec: &LinkSpec, base_dir: &Path, rng: &SimRng) -> Result<Link, LinkError> {
-        spec.validate()?;
+        validate_link(spec)?;
         let trace = match &spec.trace {
             Some(t) => Some(Arc::new(Trace::load(
                 &base_dir.join(&t.path),
@@ -782,7 +628,7 @@ mod tests {
         let check = |edit: &dyn Fn(&mut LinkSpec), expected: &str| {
             let mut spec = fast_link();
             edit(&mut spec);
-            let err = spec.validate().unwrap_err();
+            let err = validate_link(&spec).unwrap_err();
             assert_eq!(err.to_string(), expected);
         };
         check(&|s| s.loss = 1.5, "loss must be in [0,1], got 1.5");
@@ -797,7 +643,7 @@ mod tests {
         check(&|s| s.mtu = 0, "mtu must be in 1..=65535 bytes, got 0");
         check(
             &|s| s.bandwidth = None,
-            "missing capacity: give `bandwidth` or `trace`",
+            "bandwidth is missing: a simulated link needs `bandwidth` or `trace`",
         );
         check(
             &|s| {
@@ -807,7 +653,7 @@ mod tests {
                     looped: true,
                 })
             },
-            "give either `bandwidth` or `trace`, not both",
+            "bandwidth and `trace` are exclusive: give one of them",
         );
         check(
             &|s| {
@@ -1194,12 +1040,21 @@ mod tests {
     }
 
     #[test]
-    fn a_simulator_link_converts_into_the_relay_spec() {
+    fn one_spec_serves_both_engines_with_their_own_rules() {
         let link: LinkSpec =
             toml::from_str("bandwidth = \"5mbit\"\nlatency_ms = 40\nloss = 0.1").unwrap();
-        let spec = RelayLinkSpec::from(&link);
-        assert_eq!(spec.bandwidth, Some(Bandwidth::from_mbit(5)));
-        assert_eq!((spec.latency_ms, spec.loss), (40.0, 0.1));
-        assert!(spec.validate().is_ok());
+        assert!(validate_link(&link).is_ok() && link.validate().is_ok());
+        // The relay may be unlimited; the simulator needs a capacity.
+        let unlimited: LinkSpec = toml::from_str("latency_ms = 40").unwrap();
+        assert!(unlimited.validate().is_ok());
+        assert!(validate_link(&unlimited).is_err());
+        // Periodic outages are the relay's.
+        let periodic: LinkSpec = toml::from_str(
+            "bandwidth = \"5mbit\"\nperiodic_outage = { period_s = 10, duration_s = 1 }",
+        )
+        .unwrap();
+        assert!(periodic.validate().is_ok());
+        let err = validate_link(&periodic).unwrap_err().to_string();
+        assert!(err.starts_with("periodic_outage") && err.contains("outages"), "{err}");
     }
 }

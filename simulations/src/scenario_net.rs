@@ -215,8 +215,7 @@ impl Topology {
             for (direction, from, to, link_spec) in directions {
                 let Some(link_spec) = link_spec else { continue };
                 let full_name = format!("{name}.{direction}");
-                link_spec
-                    .validate()
+                crate::link::validate_link(link_spec)
                     .map_err(|source| TopologyError::InvalidLink {
                         link: full_name.clone(),
                         source,

@@ -72,7 +72,8 @@ pub struct NodeRunSummary {
     pub role: String,
     /// Seq incarnation of this run (1 for a first start).
     pub incarnation: u64,
-    /// Steps trained in this run.
+    /// The step training reached (a restart after a crash or a stop resumes at the step its
+    /// earlier run recorded in `<data_dir>/progress`, so this counts those steps too).
     pub steps: u64,
     /// Final local test accuracy (classification tasks).
     pub final_accuracy: Option<f64>,
@@ -141,8 +142,28 @@ struct NodeLeader<'a> {
     last_step_end: Instant,
     /// Set from outside (SIGTERM): stop after the current step, skip the drain.
     stop: Arc<AtomicBool>,
+    /// `<data_dir>/progress`: the steps trained so far, so a restart resumes there.
+    progress_path: PathBuf,
+    last_progress_write: Instant,
     /// `[sync] wait_for_round`: the period whose cuts end a round, and the last step.
     round: Option<(u64, u64)>,
+}
+
+/// How often the steps trained so far are written to `<data_dir>/progress`.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// Steps an earlier run trained (`<data_dir>/progress`; 0 when absent or unreadable).
+pub fn read_progress(path: &Path) -> u64 {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn write_progress(path: &Path, step: u64) {
+    if let Err(e) = node::cluster_model::write_file_atomic(path, step.to_string().as_bytes()) {
+        warn!("[WARN] cannot record progress in {}: {e}", path.display());
+    }
 }
 
 /// How long the leader sleeps between pumps while it pads a step or waits for a round.
@@ -165,7 +186,7 @@ impl NodeLeader<'_> {
                 }
             }
             let now = Instant::now();
-            if done(&self.driver) || until.is_some_and(|u| now >= u) || self.driver.should_stop() {
+            if done(&self.driver) || until.is_some_and(|u| now >= u) || self.should_stop() {
                 return Ok(());
             }
             let slice = until.map_or(WAIT_SLICE, |u| (u - now).min(WAIT_SLICE));
@@ -209,6 +230,10 @@ impl LeaderHook for NodeLeader<'_> {
             }
         }
         self.last_step_end = Instant::now();
+        if self.last_progress_write.elapsed() >= PROGRESS_EVERY {
+            self.last_progress_write = self.last_step_end;
+            write_progress(&self.progress_path, step);
+        }
         if self.eval_every > 0 && step.is_multiple_of(self.eval_every) {
             let e = self.task.evaluate_replica(model, Some(self.eval_limit))?;
             self.driver.set_accuracy(e.accuracy.map(|a| a as f32));
@@ -446,9 +471,19 @@ pub fn run_node_until(
         }
     }
 
+    // A restarted node resumes at the step its last run recorded.
+    let progress_path = config.node.data_dir.join("progress");
+    let first_step = read_progress(&progress_path).min(config.training.steps);
+    if first_step > 0 {
+        info!(
+            "[RESUME] {first_step} of {} steps trained by an earlier run",
+            config.training.steps
+        );
+    }
     let train_config = NodeTrainConfig {
         workers: config.training.workers,
         steps: config.training.steps,
+        first_step,
         batch_size: config.training.batch_size,
         seed: config.model.seed,
         first_rank: config.training.first_rank,
@@ -472,6 +507,8 @@ pub fn run_node_until(
         pacer: config.training.pace.as_ref().map(StepPacer::new),
         last_step_end: Instant::now(),
         stop: Arc::clone(&stop),
+        progress_path: progress_path.clone(),
+        last_progress_write: Instant::now(),
         round: config
             .sync
             .wait_for_round
@@ -488,6 +525,13 @@ pub fn run_node_until(
 
     // Drain: keep exchanging until every delta is acknowledged (or the timeout).
     let stopped = stop.load(Ordering::Relaxed);
+    if stopped {
+        // Stopped early: the next start resumes here.
+        write_progress(&progress_path, train_report.steps);
+    } else {
+        // Done: a later start with this data_dir trains from the beginning again.
+        let _ = std::fs::remove_file(&progress_path);
+    }
     let drain_s = if stopped {
         info!("[STOP] asked to stop: leaving without draining the backlog");
         0

@@ -425,7 +425,7 @@ pub fn resolve_link(
     match (direction("up"), direction("down")) {
         (Some(up), Some(down)) => {
             for (dir, spec) in [("up", &up), ("down", &down)] {
-                spec.validate().map_err(|e| {
+                crate::link::validate_link(spec).map_err(|e| {
                     spec_error(
                         format!("{key} (link {name}, direction {dir})"),
                         e.to_string(),

@@ -1,15 +1,16 @@
-//! What a relay config says about one direction of the relayed link: [`RelayLinkSpec`].
+//! [`LinkSpec`]: one direction of a link, the one spec both engines read. A scenario's
+//! `[links.*]`, a relay config's `up`/`down` and a cluster file's `[edges.relay]` are all this
+//! type, written in this crate's vocabulary ([`Bandwidth`], [`GilbertElliottSpec`],
+//! [`OutageSpec`], [`PeriodicOutageSpec`], [`TraceSpec`]).
 //!
-//! The pieces are this crate's vocabulary ([`Bandwidth`], [`GilbertElliottSpec`], [`OutageSpec`],
-//! [`TraceSpec`]), the same the simulator's links are written in, so a lossy edge is written the
-//! same way in a simulation scenario and in a relay config. Differences from the simulator's
-//! `LinkSpec` (`simulations::LinkSpec`, which converts into this one): capacity is optional (no `bandwidth` and
-//! no `trace` means an unlimited link that only delays and drops), there is a router-like queue
-//! bound (`queue_ms` / `queue_bytes`) and periodic outages, and the QUIC-model fields (`mtu`,
-//! `idle_timeout_s`) do not exist because the relay carries real QUIC datagrams.
-//!
-//! [`RelayLinkSpec::params`] validates everything and converts it to integer nanoseconds; its
-//! errors name the field and the bad value.
+//! [`LinkSpec::checked`] validates every field (errors name the field and the bad value) and
+//! converts it to integer nanoseconds ([`CheckedLink`]); each engine then adds its own rule:
+//! the simulator needs a capacity (`bandwidth` or `trace`) and has no periodic outages, the
+//! relay may be unlimited (no capacity: it only delays and drops). Fields one engine does not
+//! model: `queue_ms`/`queue_bytes` and `jitter_reorders` shape real datagrams in the relay (the
+//! simulator's sender is paced and never fills a queue, and it models messages, not datagram
+//! order); `mtu` and `idle_timeout_s` are the simulator's QUIC model (the relay carries real
+//! QUIC, whose endpoints have their own).
 
 use crate::time::{NANOS_PER_MILLI, NANOS_PER_SEC};
 use crate::trace::{Trace, TraceError};
@@ -22,14 +23,11 @@ use thiserror::Error;
 /// Default bound on the bandwidth queue, in milliseconds of the link's rate.
 pub const DEFAULT_QUEUE_MS: f64 = 200.0;
 
-fn default_queue_ms() -> f64 {
-    DEFAULT_QUEUE_MS
-}
-
-/// One direction of the relayed link. Every field is optional; the default is a transparent link.
+/// One direction of a link. Every field is optional; the default is a transparent link (which
+/// the simulator refuses: it needs a capacity).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RelayLinkSpec {
+pub struct LinkSpec {
     /// Constant capacity (`"20mbit"`, `10e6`, ...). With neither this nor `trace`, unlimited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bandwidth: Option<Bandwidth>,
@@ -62,19 +60,52 @@ pub struct RelayLinkSpec {
     /// Relative paths are resolved against the config file's directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<TraceSpec>,
-    /// Bound of the bandwidth queue in ms worth of the link's rate (the trace's mean rate for a
-    /// trace); a datagram that would overflow it is dropped. Default 200 ms. Ignored when the
-    /// link is unlimited or `queue_bytes` is given.
-    #[serde(default = "default_queue_ms")]
-    pub queue_ms: f64,
-    /// Bound of the bandwidth queue in bytes; overrides `queue_ms`.
+    /// Relay: bound of the bandwidth queue in ms worth of the link's rate (the trace's mean
+    /// rate for a trace); a datagram that would overflow it is dropped. Absent: 200 ms
+    /// ([`DEFAULT_QUEUE_MS`]) in a relay config; a scenario's link run as a relay gets
+    /// [`SCENARIO_QUEUE_MS`]. Ignored when the link is unlimited or `queue_bytes` is given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_ms: Option<f64>,
+    /// Relay: bound of the bandwidth queue in bytes; overrides `queue_ms`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_bytes: Option<u64>,
+    /// Simulator: largest packet payload in bytes (default 1500).
+    #[serde(default = "default_mtu", skip_serializing_if = "is_default_mtu")]
+    pub mtu: u32,
+    /// Simulator: the connection is declared dead after this long without an acknowledgement
+    /// (default 30 s).
+    #[serde(default = "default_idle_timeout_s", skip_serializing_if = "is_default_idle_timeout")]
+    pub idle_timeout_s: f64,
 }
 
-impl Default for RelayLinkSpec {
-    fn default() -> RelayLinkSpec {
-        RelayLinkSpec {
+/// The same type under the name the relay's code and docs use.
+pub type RelayLinkSpec = LinkSpec;
+
+/// Queue bound (ms of the link's rate) of a scenario's link when it runs as a relay. The
+/// simulator's link is a FIFO without bound, as mahimahi's default droptail queue is, and a
+/// paced QUIC sender (BBR) keeps it short; the relay's 200 ms default instead tail-dropped a
+/// third of all datagrams in `fidelity-smoke`.
+pub const SCENARIO_QUEUE_MS: f64 = 10_000.0;
+
+fn default_mtu() -> u32 {
+    1500
+}
+
+fn default_idle_timeout_s() -> f64 {
+    30.0
+}
+
+fn is_default_mtu(mtu: &u32) -> bool {
+    *mtu == default_mtu()
+}
+
+fn is_default_idle_timeout(t: &f64) -> bool {
+    *t == default_idle_timeout_s()
+}
+
+impl Default for LinkSpec {
+    fn default() -> LinkSpec {
+        LinkSpec {
             bandwidth: None,
             latency_ms: 0.0,
             jitter_ms: 0.0,
@@ -84,54 +115,70 @@ impl Default for RelayLinkSpec {
             outages: Vec::new(),
             periodic_outage: None,
             trace: None,
-            queue_ms: DEFAULT_QUEUE_MS,
+            queue_ms: None,
             queue_bytes: None,
+            mtu: default_mtu(),
+            idle_timeout_s: default_idle_timeout_s(),
         }
     }
 }
 
-/// A [`RelayLinkSpec`] field with a bad value.
+/// A [`LinkSpec`] field with a bad value.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("{field} {problem}")]
-pub struct RelaySpecError {
+pub struct LinkSpecError {
     /// The field, e.g. `loss` or `outages[1].duration_s`.
     pub field: String,
     /// What is wrong, e.g. `must be in [0,1], got 1.5`.
     pub problem: String,
 }
 
-fn spec_error<T>(field: impl Into<String>, problem: String) -> Result<T, RelaySpecError> {
-    Err(RelaySpecError {
+/// The same type under the name the relay's code uses.
+pub type RelaySpecError = LinkSpecError;
+
+fn spec_error<T>(field: impl Into<String>, problem: String) -> Result<T, LinkSpecError> {
+    Err(LinkSpecError {
         field: field.into(),
         problem,
     })
 }
 
 /// Where a direction's capacity comes from.
-#[derive(Clone, Debug)]
-pub(crate) enum CapacitySource {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CapacitySource {
     /// No serialization delay and no queue.
     Unlimited,
     /// A constant rate.
-    Constant { bits_per_sec: u64 },
+    Constant {
+        /// Bits per second.
+        bits_per_sec: u64,
+    },
     /// A replayed trace.
     Trace,
 }
 
-/// A validated [`RelayLinkSpec`] in integer nanoseconds.
-#[derive(Clone, Debug)]
-pub(crate) struct LinkParams {
+/// A validated [`LinkSpec`] in integer nanoseconds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckedLink {
+    /// One-way delay.
     pub latency_ns: u64,
+    /// Upper bound of the extra per-datagram (per-packet) delay.
     pub jitter_ns: u64,
+    /// I.i.d. drop probability.
     pub loss: f64,
     /// Sorted, merged, half-open `[start, end)` windows in ns.
     pub outages: Vec<(u64, u64)>,
     /// `(offset, period, duration)` in ns.
     pub periodic_outage: Option<(u64, u64, u64)>,
+    /// Where the capacity comes from.
     pub capacity: CapacitySource,
+    /// Simulator: largest packet payload, bytes.
+    pub mtu: u32,
+    /// Simulator: QUIC idle timeout, ns.
+    pub idle_timeout_ns: u64,
 }
 
-fn nanos(field: &str, value: f64, scale: u64) -> Result<u64, RelaySpecError> {
+fn nanos(field: &str, value: f64, scale: u64) -> Result<u64, LinkSpecError> {
     let ns = value * scale as f64;
     if !value.is_finite() || value < 0.0 || ns >= u64::MAX as f64 / 2.0 {
         return spec_error(field, format!("must be finite and >= 0, got {value}"));
@@ -139,14 +186,14 @@ fn nanos(field: &str, value: f64, scale: u64) -> Result<u64, RelaySpecError> {
     Ok(ns.round() as u64)
 }
 
-fn positive_nanos(field: &str, value: f64, scale: u64) -> Result<u64, RelaySpecError> {
-    match nanos(field, value, scale)? {
-        0 => spec_error(field, format!("must be > 0, got {value}")),
-        ns => Ok(ns),
+fn positive_nanos(field: &str, value: f64, scale: u64) -> Result<u64, LinkSpecError> {
+    match nanos(field, value, scale) {
+        Ok(0) | Err(_) => spec_error(field, format!("must be finite and > 0, got {value}")),
+        Ok(ns) => Ok(ns),
     }
 }
 
-fn probability(field: &str, p: f64) -> Result<f64, RelaySpecError> {
+fn probability(field: &str, p: f64) -> Result<f64, LinkSpecError> {
     if (0.0..=1.0).contains(&p) {
         Ok(p)
     } else {
@@ -154,13 +201,29 @@ fn probability(field: &str, p: f64) -> Result<f64, RelaySpecError> {
     }
 }
 
-impl RelayLinkSpec {
-    /// Checks every field; the error names the field and the bad value.
-    pub fn validate(&self) -> Result<(), RelaySpecError> {
-        self.params().map(|_| ())
+impl LinkSpec {
+    /// A lossless link of constant `bandwidth` and one-way `latency_ms`, everything else default.
+    pub fn constant(bandwidth: Bandwidth, latency_ms: f64) -> LinkSpec {
+        LinkSpec {
+            bandwidth: Some(bandwidth),
+            latency_ms,
+            ..LinkSpec::default()
+        }
     }
 
-    pub(crate) fn params(&self) -> Result<LinkParams, RelaySpecError> {
+    /// Checks every field as a relay reads it (a link without capacity is allowed); the error
+    /// names the field and the bad value.
+    pub fn validate(&self) -> Result<(), LinkSpecError> {
+        self.checked().map(|_| ())
+    }
+
+    /// The relay's queue bound in ms of the link's rate.
+    pub fn queue_ms_or_default(&self) -> f64 {
+        self.queue_ms.unwrap_or(DEFAULT_QUEUE_MS)
+    }
+
+    /// Validates every field and converts it to integer nanoseconds.
+    pub fn checked(&self) -> Result<CheckedLink, LinkSpecError> {
         let capacity = match (&self.bandwidth, &self.trace) {
             (Some(_), Some(_)) => {
                 return spec_error(
@@ -227,17 +290,25 @@ impl RelayLinkSpec {
                 Some((offset, period, duration))
             }
         };
-        positive_nanos("queue_ms", self.queue_ms, NANOS_PER_MILLI)?;
+        if let Some(q) = self.queue_ms {
+            positive_nanos("queue_ms", q, NANOS_PER_MILLI)?;
+        }
         if self.queue_bytes == Some(0) {
             return spec_error("queue_bytes", "must be > 0, got 0".into());
         }
-        Ok(LinkParams {
+        if self.mtu == 0 || self.mtu > 65_535 {
+            return spec_error("mtu", format!("must be in 1..=65535 bytes, got {}", self.mtu));
+        }
+        let idle_timeout_ns = positive_nanos("idle_timeout_s", self.idle_timeout_s, NANOS_PER_SEC)?;
+        Ok(CheckedLink {
             latency_ns,
             jitter_ns,
             loss,
             outages,
             periodic_outage,
             capacity,
+            mtu: self.mtu,
+            idle_timeout_ns,
         })
     }
 
@@ -272,7 +343,7 @@ mod tests {
     fn defaults_are_a_transparent_link() {
         let spec: RelayLinkSpec = toml::from_str("").unwrap();
         assert_eq!(spec, RelayLinkSpec::default());
-        let params = spec.params().unwrap();
+        let params = spec.checked().unwrap();
         assert!(matches!(params.capacity, CapacitySource::Unlimited));
         assert_eq!((params.latency_ns, params.jitter_ns), (0, 0));
     }
@@ -293,7 +364,7 @@ queue_ms = 50
         )
         .unwrap();
         assert_eq!(spec.bandwidth, Some(Bandwidth::from_mbit(20)));
-        let params = spec.params().unwrap();
+        let params = spec.checked().unwrap();
         assert_eq!(params.latency_ns, 25_000_000);
         assert_eq!(params.jitter_ns, 2_500_000);
         assert_eq!(params.outages, vec![(3_000_000_000, 5_500_000_000)]);
@@ -313,7 +384,7 @@ queue_ms = 50
         );
         assert_eq!(
             error_of("outages = [{ start_s = 1, duration_s = 0 }]"),
-            "outages[0].duration_s must be > 0, got 0"
+            "outages[0].duration_s must be finite and > 0, got 0"
         );
         assert_eq!(
             error_of("periodic_outage = { period_s = 1, duration_s = 2 }"),
