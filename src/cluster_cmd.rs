@@ -60,20 +60,9 @@ pub struct ClusterArgs {
     /// Seed of the random kill instants.
     #[arg(long, default_value_t = 1)]
     pub kill_seed: u64,
-    /// Scenario runs: only these strategies (comma-separated; default: the scenario's).
-    #[arg(long)]
-    pub strategies: Option<String>,
-    /// Scenario runs: override the scenario's seed.
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Scenario runs: stop each strategy after this many seconds instead of the scenario's
-    /// `max_virtual_s`.
-    #[arg(long)]
-    pub max_virtual_s: Option<f64>,
-    /// Scenario runs: folder holding the data sets (default: $DREAMDDP_DATA_DIR, then
-    /// ../shared/data/datasets).
-    #[arg(long)]
-    pub data_dir: Option<PathBuf>,
+    /// Scenario runs: the `simulate`-style overrides.
+    #[command(flatten)]
+    pub scenario: crate::scenario_cluster::ScenarioOverrides,
 }
 
 /// One node in `summary.json`.
@@ -181,6 +170,8 @@ pub struct ClusterSummary {
     pub relay_bytes_by_link_class: BTreeMap<String, u64>,
     /// Seconds from the trainers' start to the end of the run (their last exit, or the stop).
     pub trainers_seconds: f64,
+    /// When the trainers were started, seconds since the Unix epoch (the origin of `series`).
+    pub trainers_started_unix_s: f64,
 }
 
 struct Proc {
@@ -606,6 +597,9 @@ async fn run_cluster(
         trainers.push(p);
     }
     let trainers_started = Instant::now();
+    let trainers_started_unix_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
     let layout_for_series = sync_layout(&task.build_model(model.seed));
     let shard_sources = |aggregators: &[Proc]| -> Vec<ShardSource> {
         aggregators
@@ -996,6 +990,7 @@ async fn run_cluster(
         series,
         relay_bytes_by_link_class,
         trainers_seconds,
+        trainers_started_unix_s,
     };
     std::fs::write(
         out.join("summary.json"),

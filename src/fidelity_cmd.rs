@@ -33,20 +33,10 @@ pub struct FidelityArgs {
     /// Output folder (default `fidelity-out/<scenario>/`).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Only these strategies (comma-separated; default: the scenario's that a real cluster
-    /// can run).
-    #[arg(long)]
-    pub strategies: Option<String>,
-    /// Override the scenario's seed.
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Stop both engines after this many seconds instead of the scenario's `max_virtual_s`
-    /// (recorded in the scenario text of both summaries).
-    #[arg(long)]
-    pub max_virtual_s: Option<f64>,
-    /// Folder holding the data sets (default: $DREAMDDP_DATA_DIR, then ../shared/data/datasets).
-    #[arg(long)]
-    pub data_dir: Option<PathBuf>,
+    /// `--strategies` (default: the scenario's that a real cluster can run), `--seed`,
+    /// `--max-virtual-s` (both engines), `--data-dir`.
+    #[command(flatten)]
+    pub overrides: crate::scenario_cluster::ScenarioOverrides,
     /// Fail unless |time-to-target error| ≤ this fraction for every strategy where both
     /// reached the target (and both or neither reached it).
     #[arg(long)]
@@ -313,14 +303,8 @@ fn check_bounds(args: &FidelityArgs, r: &FidelityReport) -> Result<()> {
 
 /// Runs `fidelity`.
 pub fn run(args: FidelityArgs) -> Result<()> {
-    let mut loaded: LoadedScenario = scenario_cluster::load(
-        &args.scenario,
-        args.seed,
-        args.strategies.as_deref(),
-        args.data_dir.as_deref(),
-        args.max_virtual_s,
-    )?;
-    if args.strategies.is_none() {
+    let mut loaded: LoadedScenario = scenario_cluster::load(&args.scenario, &args.overrides)?;
+    if args.overrides.strategies.is_none() {
         loaded
             .scenario
             .strategies

@@ -12,6 +12,7 @@ mod fidelity_cmd;
 mod global_model;
 mod node_cmds;
 mod plots;
+mod real_timeline;
 mod scenario_cluster;
 mod simulate_cmd;
 mod train_cmd;

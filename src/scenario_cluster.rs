@@ -75,15 +75,34 @@ pub struct LoadedScenario {
     pub data_dir: Option<PathBuf>,
 }
 
-/// Loads an edge-kind scenario (a file or a built-in name) with the `simulate` overrides and
-/// an optional shorter `max_virtual_s`.
-pub fn load(
-    name_or_path: &str,
-    seed: Option<u64>,
-    strategies: Option<&str>,
-    data_dir: Option<&Path>,
-    max_virtual_s: Option<f64>,
-) -> Result<LoadedScenario> {
+/// The flags a scenario run takes besides the scenario (`cluster SCENARIO`, `fidelity`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ScenarioOverrides {
+    /// Scenario runs: only these strategies (comma-separated; default: the scenario's).
+    #[arg(long)]
+    pub strategies: Option<String>,
+    /// Scenario runs: override the scenario's seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Scenario runs: stop each strategy after this many seconds instead of the scenario's
+    /// `max_virtual_s` (written into the recorded scenario text).
+    #[arg(long)]
+    pub max_virtual_s: Option<f64>,
+    /// Scenario runs: folder holding the data sets (default: $DREAMDDP_DATA_DIR, then
+    /// ../shared/data/datasets).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+}
+
+/// Loads an edge-kind scenario (a file or a built-in name) with the overrides.
+pub fn load(name_or_path: &str, overrides: &ScenarioOverrides) -> Result<LoadedScenario> {
+    let ScenarioOverrides {
+        strategies,
+        seed,
+        max_virtual_s,
+        data_dir,
+    } = overrides;
+    let (seed, max_virtual_s, data_dir) = (*seed, *max_virtual_s, data_dir.as_deref());
     let (mut scenario, mut text) = Scenario::load(name_or_path)?;
     if scenario.kind != ScenarioKind::Edge {
         bail!(
@@ -96,7 +115,7 @@ pub fn load(
     if let Some(seed) = seed {
         scenario.seed = seed;
     }
-    if let Some(list) = strategies {
+    if let Some(list) = strategies.as_deref() {
         scenario.strategies = list.split(',').map(|s| s.trim().to_string()).collect();
     }
     if let Some(t) = max_virtual_s {
@@ -124,13 +143,7 @@ pub fn load(
 /// `dreamddp cluster SCENARIO`: every strategy of the scenario, one after the other, as real
 /// processes; writes the simulator's outputs under `--out` (default `cluster-out/<name>`).
 pub fn run(args: &ClusterArgs) -> Result<SimSummary> {
-    let loaded = load(
-        &args.file.to_string_lossy(),
-        args.seed,
-        args.strategies.as_deref(),
-        args.data_dir.as_deref(),
-        args.max_virtual_s,
-    )?;
+    let loaded = load(&args.file.to_string_lossy(), &args.scenario)?;
     let out = args
         .out
         .clone()
@@ -218,13 +231,17 @@ pub fn run_strategy(loaded: &LoadedScenario, strategy: &str, out: &Path) -> Resu
         random_kills: 0,
         kill_window_s: 60.0,
         kill_seed: 1,
-        strategies: None,
-        seed: None,
-        data_dir: None,
-        max_virtual_s: None,
+        scenario: ScenarioOverrides::default(),
     };
+    let deadlines: Vec<(String, f64)> = plan
+        .nodes
+        .iter()
+        .map(|n| (n.name.clone(), n.deadline_ms / 1e3))
+        .collect();
     let cluster = run_cluster_file(file, &args, &s.base_dir)?;
-    let result = strategy_result(s, &loaded.task, strategy, &cluster);
+    let mut result = strategy_result(s, &loaded.task, strategy, &cluster);
+    result.timeline =
+        crate::real_timeline::timeline(out, &deadlines, cluster.trainers_started_unix_s);
     let overruns: u64 = cluster.nodes.iter().filter_map(|n| n.pace_overruns).sum();
     if overruns > 0 {
         println!(
@@ -448,6 +465,7 @@ pub fn strategy_result(
         mean_step_s,
         wall_seconds: c.wall_seconds,
         series,
+        // Filled from the trainers' logs by `run_strategy` (`crate::real_timeline`).
         timeline: Vec::new(),
         plan_candidates: Vec::new(),
     }
@@ -458,7 +476,15 @@ mod tests {
     use super::*;
 
     fn smoke(strategy: &str) -> (LoadedScenario, EdgePlan, ClusterFile) {
-        let loaded = load("fidelity-smoke", None, Some(strategy), None, Some(30.0)).unwrap();
+        let loaded = load(
+            "fidelity-smoke",
+            &ScenarioOverrides {
+                strategies: Some(strategy.into()),
+                max_virtual_s: Some(30.0),
+                ..ScenarioOverrides::default()
+            },
+        )
+        .unwrap();
         let plan = plan_edge(&loaded.scenario, &loaded.task, strategy).unwrap();
         let file = cluster_file(&loaded, &plan, strategy).unwrap();
         (loaded, plan, file)
@@ -513,13 +539,17 @@ mod tests {
 
     #[test]
     fn strategies_without_a_real_client_rule_are_refused_clearly() {
-        let loaded = load("fidelity-smoke", None, Some("fedbuff"), None, None).unwrap();
+        let only_fedbuff = ScenarioOverrides {
+            strategies: Some("fedbuff".into()),
+            ..ScenarioOverrides::default()
+        };
+        let loaded = load("fidelity-smoke", &only_fedbuff).unwrap();
         let err = run_strategy(&loaded, "fedbuff", Path::new("/nonexistent"))
             .err()
             .unwrap()
             .to_string();
         assert!(err.contains("fedbuff") && err.contains("elastic"), "{err}");
-        let err = load("two-datacenters", None, None, None, None)
+        let err = load("two-datacenters", &ScenarioOverrides::default())
             .err()
             .unwrap()
             .to_string();

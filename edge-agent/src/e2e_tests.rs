@@ -328,7 +328,11 @@ fn a_synchronous_round_completes_only_when_every_node_s_delta_is_in_the_version(
     w.run_until(20 * LATENCY);
     for (i, n) in w.nodes.iter().enumerate() {
         assert!(n.client.round_complete(), "node {i}");
-        assert_eq!(n.client.version(0), Some(1), "node {i} has the round's version");
+        assert_eq!(
+            n.client.version(0),
+            Some(1),
+            "node {i} has the round's version"
+        );
     }
     assert_eq!(w.global(), add(&w.theta0, &[2.0; LEN]));
 }

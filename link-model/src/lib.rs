@@ -21,12 +21,12 @@ pub mod time;
 pub mod trace;
 pub mod vocabulary;
 
+pub use rng::SimRng;
+pub use shaper::{DropReason, LinkShaper, Verdict};
 pub use spec::{
     CapacitySource, CheckedLink, LinkSpec, LinkSpecError, RelayLinkSpec, RelaySpecError,
     DEFAULT_QUEUE_MS, SCENARIO_QUEUE_MS,
 };
-pub use rng::SimRng;
-pub use shaper::{DropReason, LinkShaper, Verdict};
 pub use time::{SimDuration, SimTime};
 pub use trace::{Trace, TraceError, TraceFormat, MAHIMAHI_OPPORTUNITY_BYTES};
 pub use vocabulary::{

@@ -24,8 +24,8 @@
 //! Payload bytes are what counts against capacity (IP/UDP headers are not added). Times passed
 //! in are clamped to be non-decreasing. No clocks are read here.
 
-use crate::spec::{CapacitySource, CheckedLink, RelayLinkSpec, RelaySpecError};
 use crate::rng::SimRng;
+use crate::spec::{CapacitySource, CheckedLink, RelayLinkSpec, RelaySpecError};
 use crate::time::{SimTime, NANOS_PER_SEC};
 use crate::trace::{Trace, TraceCursor};
 use crate::vocabulary::GilbertElliott;

@@ -74,7 +74,10 @@ pub struct LinkSpec {
     pub mtu: u32,
     /// Simulator: the connection is declared dead after this long without an acknowledgement
     /// (default 30 s).
-    #[serde(default = "default_idle_timeout_s", skip_serializing_if = "is_default_idle_timeout")]
+    #[serde(
+        default = "default_idle_timeout_s",
+        skip_serializing_if = "is_default_idle_timeout"
+    )]
     pub idle_timeout_s: f64,
 }
 
@@ -297,7 +300,10 @@ impl LinkSpec {
             return spec_error("queue_bytes", "must be > 0, got 0".into());
         }
         if self.mtu == 0 || self.mtu > 65_535 {
-            return spec_error("mtu", format!("must be in 1..=65535 bytes, got {}", self.mtu));
+            return spec_error(
+                "mtu",
+                format!("must be in 1..=65535 bytes, got {}", self.mtu),
+            );
         }
         let idle_timeout_ns = positive_nanos("idle_timeout_s", self.idle_timeout_s, NANOS_PER_SEC)?;
         Ok(CheckedLink {

@@ -83,13 +83,22 @@ pub fn run_edge(
 /// The plan of a real run of `strategy` on `scenario` ([`EdgePlan`]): the simulator's world is
 /// built (not run) and read back, so both engines start from the same numbers.
 pub fn plan_edge(scenario: &Scenario, task: &Task, strategy: &str) -> Result<EdgePlan, String> {
+    Ok(build_world(scenario, task, strategy)?.plan())
+}
+
+/// The world of one strategy, built from the scenario's `[edge]` table.
+fn build_world<'a>(
+    scenario: &'a Scenario,
+    task: &'a Task,
+    strategy: &str,
+) -> Result<world::World<'a>, String> {
     let spec = scenario
         .edge
         .as_ref()
         .ok_or("edge: kind = \"edge\" needs an [edge] table")?;
     let resolved = spec.resolve(scenario).map_err(|e| e.to_string())?;
     let (mode, lossless) = mode_of(strategy)?;
-    Ok(world::World::new(scenario, spec, &resolved, task, mode, lossless, strategy)?.plan())
+    world::World::new(scenario, spec, &resolved, task, mode, lossless, strategy)
 }
 
 fn mode_of(strategy: &str) -> Result<(SyncMode, bool), String> {
@@ -115,11 +124,5 @@ pub fn run_edge_detailed(
     strategy: &str,
     progress: &mut dyn FnMut(f64),
 ) -> Result<(StrategyResult, EdgeDiagnostics), String> {
-    let spec = scenario
-        .edge
-        .as_ref()
-        .ok_or("edge: kind = \"edge\" needs an [edge] table")?;
-    let resolved = spec.resolve(scenario).map_err(|e| e.to_string())?;
-    let (mode, lossless) = mode_of(strategy)?;
-    world::World::new(scenario, spec, &resolved, task, mode, lossless, strategy)?.run(progress)
+    build_world(scenario, task, strategy)?.run(progress)
 }

@@ -41,8 +41,8 @@
 pub use link_model::vocabulary::{
     Bandwidth, BandwidthParseError, GilbertElliott, GilbertElliottSpec, OutageSpec, TraceSpec,
 };
-pub use link_model::{LinkSpec, LinkSpecError};
 use link_model::CapacitySource;
+pub use link_model::{LinkSpec, LinkSpecError};
 
 use crate::rng::SimRng;
 use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
@@ -1055,6 +1055,9 @@ mod tests {
         .unwrap();
         assert!(periodic.validate().is_ok());
         let err = validate_link(&periodic).unwrap_err().to_string();
-        assert!(err.starts_with("periodic_outage") && err.contains("outages"), "{err}");
+        assert!(
+            err.starts_with("periodic_outage") && err.contains("outages"),
+            "{err}"
+        );
     }
 }

@@ -215,11 +215,12 @@ impl Topology {
             for (direction, from, to, link_spec) in directions {
                 let Some(link_spec) = link_spec else { continue };
                 let full_name = format!("{name}.{direction}");
-                crate::link::validate_link(link_spec)
-                    .map_err(|source| TopologyError::InvalidLink {
+                crate::link::validate_link(link_spec).map_err(|source| {
+                    TopologyError::InvalidLink {
                         link: full_name.clone(),
                         source,
-                    })?;
+                    }
+                })?;
                 if let Some(other) = covered.insert((from, to), full_name.clone()) {
                     return Err(TopologyError::DuplicateDirection {
                         link: full_name,

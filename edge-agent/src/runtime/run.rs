@@ -523,27 +523,29 @@ pub fn run_node_until(
     });
     let mut driver = leader.driver;
 
-    // Drain: keep exchanging until every delta is acknowledged (or the timeout).
-    let stopped = stop.load(Ordering::Relaxed);
-    if stopped {
-        // Stopped early: the next start resumes here.
-        write_progress(&progress_path, train_report.steps);
-    } else {
-        // Done: a later start with this data_dir trains from the beginning again.
-        let _ = std::fs::remove_file(&progress_path);
-    }
-    let drain_s = if stopped {
+    // Drain (unless asked to stop): keep exchanging until every delta is acknowledged, the
+    // timeout passes, or a stop arrives.
+    let drain_s = if stop.load(Ordering::Relaxed) {
         info!("[STOP] asked to stop: leaving without draining the backlog");
         0
     } else {
         config.sync.drain_timeout_s
     };
     let drain_until = Instant::now() + Duration::from_secs(drain_s);
-    while driver.undelivered() > 0 && Instant::now() < drain_until {
+    while driver.undelivered() > 0 && Instant::now() < drain_until && !stop.load(Ordering::Relaxed)
+    {
         driver
             .pump(final_model.as_mut())
             .map_err(NodeRunError::Training)?;
         std::thread::sleep(Duration::from_millis(10));
+    }
+    let stopped = stop.load(Ordering::Relaxed);
+    if stopped {
+        // Stopped early: the next start resumes at this step (and delivers the backlog).
+        write_progress(&progress_path, train_report.steps);
+    } else {
+        // Done: a later start with this data_dir trains from the beginning again.
+        let _ = std::fs::remove_file(&progress_path);
     }
     let undelivered = driver.undelivered();
     if undelivered > 0 && !stopped {
