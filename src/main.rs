@@ -6,6 +6,7 @@ mod cli;
 mod cluster_cmd;
 mod cluster_file;
 mod cluster_health;
+mod cluster_summary;
 mod compare;
 mod coordinator_cmd;
 mod fidelity_cmd;
