@@ -823,3 +823,80 @@ fn an_authenticated_peer_sending_bad_frames_is_disconnected_and_training_goes_on
         "the NaN delta is logged with the peer's name:\n{log}"
     );
 }
+
+/// `cluster SCENARIO`: the built-in `fidelity-smoke` scenario as real processes, shortened,
+/// with a device crashing (`kill -9`) and coming back from its durable cache and recorded step:
+/// the run writes the simulator's schema, stops on time, and loses nothing.
+#[test]
+fn a_scenario_runs_as_real_processes_and_reports_in_the_simulators_schema() {
+    let dir = scratch("cluster-scenario");
+    let _cleanup = RemoveOnSuccess(dir.clone());
+    let scenario = dir.join("smoke.toml");
+    let text = simulations::scenario::BUILTIN
+        .iter()
+        .find(|(n, _)| *n == "fidelity-smoke")
+        .unwrap()
+        .1
+        .replace("max_virtual_s = 45", "max_virtual_s = 25")
+        .replace("[edge.cloud]", "[[edge.churn]]\nnode = \"edge-1\"\nat_s = 6\naction = \"crash\"\nback_at_s = 8\n\n[edge.cloud]");
+    std::fs::write(&scenario, text).unwrap();
+    // The scenario's traces resolve beside the scenario file.
+    for t in ["ATT-LTE-driving-2016.up", "ATT-LTE-driving-2016.down"] {
+        std::fs::copy(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("simulations/traces")
+                .join(t),
+            dir.join(t),
+        )
+        .unwrap();
+    }
+    let out = dir.join("out");
+    let started = Instant::now();
+    let summary = run_cluster(&scenario, &out, &["--strategies", "elastic"]);
+    assert!(
+        started.elapsed() < Duration::from_secs(120),
+        "stopped near max_virtual_s"
+    );
+    assert_eq!(summary["scenario"], "fidelity-smoke", "{summary}");
+    let r = &summary["strategies"][0];
+    assert_eq!(r["strategy"], "elastic");
+    assert_eq!(r["undelivered_deltas"], 0, "{r}");
+    assert!(
+        r["bytes_by_link_class"]["edge"].as_u64().unwrap() > 0,
+        "{r}"
+    );
+    assert!(
+        r["series"].as_array().unwrap().len() >= 10,
+        "one point per 2 s"
+    );
+    assert!(r["final_accuracy"].as_f64().unwrap() > 0.5, "{r}");
+    assert!(
+        !r["timeline"].as_array().unwrap().is_empty(),
+        "timeline from the logs"
+    );
+    assert!(r["staleness_histogram"]
+        .as_object()
+        .is_some_and(|h| !h.is_empty()));
+    for f in ["timeseries.csv", "accuracy_vs_time.svg"] {
+        assert!(out.join(f).is_file(), "{f}");
+    }
+    // The cluster's own summary: edge-1 was killed once and came back.
+    let cluster: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("elastic").join("summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(node(&cluster, "edge-1")["kills"], 1, "{cluster}");
+    assert!(
+        cluster["problems"].as_array().unwrap().is_empty(),
+        "{cluster}"
+    );
+    let log = std::fs::read_to_string(out.join("elastic/edge-1/log.txt")).unwrap();
+    assert!(
+        log.contains("[RESUME]"),
+        "the restarted device resumes its steps:\n{log}"
+    );
+    for n in ["edge-0", "edge-1", "edge-2"] {
+        let pace = &node(&cluster, n)["pace_overruns"];
+        assert!(pace.as_u64().is_some(), "{n} paced: {cluster}");
+    }
+}
