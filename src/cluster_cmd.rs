@@ -492,7 +492,7 @@ async fn run_cluster(
     let trainers_started_unix_s = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
-    let layout_for_series = sync_layout(&task.build_model(model.seed));
+    let layout = sync_layout(&task.build_model(model.seed));
     let shard_sources = |aggregators: &[Proc]| -> Vec<ShardSource> {
         aggregators
             .iter()
@@ -535,7 +535,7 @@ async fn run_cluster(
             let sources = shard_sources(&aggregators);
             let (task2, layout2, seed, limit) = (
                 task.clone(),
-                layout_for_series.clone(),
+                layout.clone(),
                 model.seed,
                 file.training.eval_limit,
             );
@@ -722,7 +722,6 @@ async fn run_cluster(
     // coordinator's checkpoint, so its shard is not used); where two shards hold a layer, the
     // newer version wins.
     let mut eval_model = task.build_model(model.seed);
-    let layout = sync_layout(&eval_model);
     let read = read_global(&mut eval_model, &layout, &shard_sources(&aggregators))?;
     let (mut ledger, lost_ledger) = (read.ledger, read.lost_ledger);
     let mut nodes = Vec::new();

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use serde::Serialize;
 use simulations::report::{SimSummary, StrategyResult};
@@ -319,30 +319,24 @@ pub fn run(args: FidelityArgs) -> Result<()> {
 
     // The simulation.
     let started = Instant::now();
-    let mut sim_results = Vec::new();
-    for strategy in &s.strategies {
-        let t = Instant::now();
-        let mut r = simulations::edge::run_edge(s, &loaded.task, strategy, &mut |_| {})
-            .map_err(|e| anyhow!("scenario {} strategy {strategy}: {e}", s.name))?;
-        r.wall_seconds = t.elapsed().as_secs_f64();
-        sim_results.push(r);
-    }
-    let sim_wall_seconds = started.elapsed().as_secs_f64();
     let sim = SimSummary {
         scenario: s.name.clone(),
         seed: s.seed,
         scenario_toml: loaded.text.clone(),
-        target: String::new(),
-        strategies: sim_results,
+        target: crate::simulate_cmd::target_text(&loaded.task, s.target),
+        strategies: s
+            .strategies
+            .iter()
+            .map(|strategy| {
+                crate::simulate_cmd::simulate_strategy(s, &loaded.task, strategy, &mut |_| {})
+            })
+            .collect::<Result<_>>()?,
     };
+    let sim_wall_seconds = started.elapsed().as_secs_f64();
     // The real runs.
     let started = Instant::now();
     let (real, runs) = scenario_cluster::run_all(&loaded, &out.join("real"))?;
     let real_wall_seconds = started.elapsed().as_secs_f64();
-    let sim = SimSummary {
-        target: real.target.clone(),
-        ..sim
-    };
     crate::simulate_cmd::write_outputs(&out.join("sim"), &sim)?;
     crate::simulate_cmd::write_outputs(&out.join("real"), &real)?;
 

@@ -190,17 +190,10 @@ pub fn run_all(loaded: &LoadedScenario, out: &Path) -> Result<(SimSummary, Vec<R
         scenario: s.name.clone(),
         seed: s.seed,
         scenario_toml: loaded.text.clone(),
-        target: target_text(&loaded.task, s.target),
+        target: crate::simulate_cmd::target_text(&loaded.task, s.target),
         strategies: runs.iter().map(|r| r.result.clone()).collect(),
     };
     Ok((summary, runs))
-}
-
-fn target_text(task: &Task, target: f64) -> String {
-    match task.model {
-        ModelKind::GptTiny => format!("val loss <= {target}"),
-        _ => format!("accuracy >= {target}"),
-    }
 }
 
 /// One strategy as real processes.

@@ -98,10 +98,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     if let Some(name) = &args.measure_device {
         return measure_device(&scenario, &task, name);
     }
-    let target = match task.model {
-        ModelKind::GptTiny => format!("val loss <= {}", scenario.target),
-        _ => format!("accuracy >= {}", scenario.target),
-    };
+    let target = target_text(&task, scenario.target);
     println!(
         "scenario {} (seed {}): {} on {}, target {target}; strategies: {}",
         scenario.name,
@@ -127,20 +124,9 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         bar.enable_steady_tick(Duration::from_millis(250));
         let b = bar.clone();
         let mut progress = move |f: f64| b.set_position((f.clamp(0.0, 1.0) * 1000.0) as u64);
-        let started = Instant::now();
-        let result = match scenario.kind {
-            ScenarioKind::Clusters => {
-                simulations::clusters::run_clusters(&scenario, &task, &strategy, &mut progress)
-            }
-            ScenarioKind::Edge => {
-                simulations::edge::run_edge(&scenario, &task, &strategy, &mut progress)
-            }
-        };
+        let result = simulate_strategy(&scenario, &task, &strategy, &mut progress);
         bar.finish_and_clear();
-        let mut result =
-            result.map_err(|e| anyhow!("scenario {} strategy {strategy}: {e}", scenario.name))?;
-        result.wall_seconds = started.elapsed().as_secs_f64();
-        results.push(result);
+        results.push(result?);
     }
     let summary = SimSummary {
         scenario: scenario.name.clone(),
@@ -175,6 +161,35 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The `summary.json` `target` text of a scenario: `accuracy >= T`, or `val loss <= T` for a
+/// language model.
+pub fn target_text(task: &Task, target: f64) -> String {
+    match task.model {
+        ModelKind::GptTiny => format!("val loss <= {target}"),
+        _ => format!("accuracy >= {target}"),
+    }
+}
+
+/// Simulates one strategy of a scenario of either kind; `wall_seconds` is filled in.
+pub fn simulate_strategy(
+    scenario: &Scenario,
+    task: &Task,
+    strategy: &str,
+    progress: &mut dyn FnMut(f64),
+) -> Result<simulations::report::StrategyResult> {
+    let started = Instant::now();
+    let result = match scenario.kind {
+        ScenarioKind::Clusters => {
+            simulations::clusters::run_clusters(scenario, task, strategy, progress)
+        }
+        ScenarioKind::Edge => simulations::edge::run_edge(scenario, task, strategy, progress),
+    };
+    let mut result =
+        result.map_err(|e| anyhow!("scenario {} strategy {strategy}: {e}", scenario.name))?;
+    result.wall_seconds = started.elapsed().as_secs_f64();
+    Ok(result)
 }
 
 /// Warm-up steps before [`measure_layers`] starts timing.
