@@ -296,6 +296,7 @@ async fn run_cluster(
             credentials: file.cluster.credentials.clone(),
             lease_ms: file.cluster.lease_ms,
         },
+        divergence: file.divergence.clone(),
     };
     write_toml(&coord_dir.join("config.toml"), &coord_cfg)?;
     let mut coordinator = Proc {
@@ -676,7 +677,11 @@ async fn run_cluster(
 
     // Let the last deltas land, snapshot the status, stop the aggregators and coordinator.
     tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut divergence_warnings = None;
     if let Ok(body) = http_get(status_addr, "/status").await {
+        divergence_warnings = serde_json::from_str::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v["divergence_warnings"].as_u64());
         let _ = std::fs::write(out.join("status.json"), body);
     }
     if let Ok(body) = http_get(status_addr, "/metrics").await {
@@ -882,6 +887,7 @@ async fn run_cluster(
         relay_bytes_by_link_class,
         trainers_seconds,
         trainers_started_unix_s,
+        divergence_warnings,
     };
     std::fs::write(
         out.join("summary.json"),

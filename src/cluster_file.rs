@@ -41,6 +41,9 @@ pub struct ClusterFile {
     /// Processes to `kill -9` and restart.
     #[serde(default)]
     pub chaos: Vec<ChaosEvent>,
+    /// The coordinator's divergence monitor (`coordinator::DivergenceConfig`).
+    #[serde(default)]
+    pub divergence: coordinator::DivergenceConfig,
 }
 
 /// `[cluster]`.
@@ -289,6 +292,7 @@ pub fn validate(file: &ClusterFile) -> Result<()> {
     if file.workers.is_empty() && file.edges.is_empty() {
         bail!("a cluster needs at least one [[workers]] or [[edges]] entry");
     }
+    file.divergence.validate().map_err(anyhow::Error::msg)?;
     let mut names: Vec<&str> = vec!["coordinator"];
     names.extend(file.aggregators.iter().map(|a| a.name.as_str()));
     names.extend(file.workers.iter().map(|w| w.name.as_str()));

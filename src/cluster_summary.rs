@@ -113,6 +113,8 @@ pub struct ClusterSummary {
     pub trainers_seconds: f64,
     /// When the trainers were started, seconds since the Unix epoch (the origin of `series`).
     pub trainers_started_unix_s: f64,
+    /// The coordinator's divergence warnings (its `/status` at the end; `None`: not read).
+    pub divergence_warnings: Option<u64>,
 }
 
 /// Prints the per-node table and the clean / not-clean verdict.

@@ -1,12 +1,13 @@
 //! `dreamddp coordinator --config F`: the coordinator process. Its TOML names the model (the
 //! layer manifest the layer map is computed over is derived from it), the QUIC and status
-//! addresses, the certificates and the join credentials.
+//! addresses, the certificates, the join credentials and the divergence monitor's
+//! `[divergence]` settings.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Result;
-use coordinator::{CoordinatorConfig, CoordinatorRunConfig, LayerInfo};
+use coordinator::{CoordinatorConfig, CoordinatorRunConfig, DivergenceConfig, LayerInfo};
 use node::cluster_model::{read_toml_with_overrides, ModelSection};
 use node::layout::sync_layout;
 use serde::{Deserialize, Serialize};
@@ -22,6 +23,10 @@ pub struct CoordinatorFile {
     pub model: ModelSection,
     /// This process.
     pub node: CoordinatorNodeSection,
+    /// When the divergence monitor warns (`warn_ratio`, `min_spread`, `window`,
+    /// `warn_every_ms`; see `coordinator::divergence`).
+    #[serde(default)]
+    pub divergence: DivergenceConfig,
 }
 
 /// `[node]` of the coordinator's config.
@@ -55,6 +60,9 @@ fn default_lease() -> u64 {
 /// Runs the coordinator until SIGTERM / Ctrl-C.
 pub fn run(args: ProcessArgs) -> Result<()> {
     let file: CoordinatorFile = read_toml_with_overrides(&args.config, &args.set)?;
+    file.divergence
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", args.config.display()))?;
     // The layer layout only needs the model's shapes, not the data set.
     let model = file.model.initial_model().map_err(anyhow::Error::msg)?;
     let layers = sync_layout(&model)
@@ -75,6 +83,7 @@ pub fn run(args: ProcessArgs) -> Result<()> {
             credentials: file.node.credentials.clone(),
             lease_ms: file.node.lease_ms,
             layers,
+            divergence: file.divergence.clone(),
         },
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()

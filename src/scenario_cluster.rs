@@ -51,8 +51,13 @@ pub fn is_scenario(path: &Path) -> Result<bool> {
 }
 
 /// Strategies a real cluster can run (the others need client rules the edge agent lacks).
-pub const REAL_STRATEGIES: &[&str] =
-    &["elastic", "blocking", "elastic-lossless", "fedavg-deadline"];
+pub const REAL_STRATEGIES: &[&str] = &[
+    "elastic",
+    "blocking",
+    "elastic-lossless",
+    "fedavg-deadline",
+    "fedbuff",
+];
 
 /// One strategy's real run: the result in the simulator's schema, and the cluster's summary.
 #[derive(Clone, Debug)]
@@ -201,8 +206,7 @@ pub fn run_strategy(loaded: &LoadedScenario, strategy: &str, out: &Path) -> Resu
     let s = &loaded.scenario;
     if !REAL_STRATEGIES.contains(&strategy) {
         bail!(
-            "strategy {strategy}: a real cluster runs {} (fedbuff's client rule, restarting each \
-             round from the newest global model, is not in the edge agent yet)",
+            "strategy {strategy}: a real cluster runs {} (the others have no real client rule)",
             REAL_STRATEGIES.join(", ")
         );
     }
@@ -290,6 +294,7 @@ pub fn cluster_file(
             DeadlineMode::Fixed => "fixed".into(),
         },
         wait_for_round: matches!(plan.mode, SyncMode::Blocking | SyncMode::FedAvgDeadline),
+        restart_from_global: plan.mode == SyncMode::FedBuff,
         drain_timeout_s: s.max_virtual_s.ceil() as u64,
         ..SyncSection::default()
     };
@@ -369,6 +374,7 @@ pub fn cluster_file(
         workers: Vec::new(),
         edges,
         chaos,
+        divergence: edge.divergence.clone(),
     })
 }
 
@@ -417,6 +423,7 @@ pub fn strategy_result(
             loss: p.loss,
             bytes_sent: p.relay_bytes,
             mean_steps: 0.0,
+            divergence: None,
         })
         .collect();
     let reached = |p: &SeriesPoint| match p.accuracy {
@@ -463,6 +470,8 @@ pub fn strategy_result(
         // Filled from the trainers' logs by `run_strategy` (`crate::real_timeline`).
         timeline: Vec::new(),
         plan_candidates: Vec::new(),
+        divergence_warnings: c.divergence_warnings.unwrap_or(0),
+        divergence_peak: None,
     }
 }
 
@@ -533,17 +542,22 @@ mod tests {
     }
 
     #[test]
+    fn fedbuff_restarts_rounds_from_the_global_model_on_a_buffered_aggregator() {
+        let (_, _, file) = smoke("fedbuff");
+        assert!(file.sync.restart_from_global && !file.sync.wait_for_round);
+        assert_eq!(file.aggregation.rule, "fedbuff");
+        let (_, _, elastic) = smoke("elastic");
+        assert!(!elastic.sync.restart_from_global);
+    }
+
+    #[test]
     fn strategies_without_a_real_client_rule_are_refused_clearly() {
-        let only_fedbuff = ScenarioOverrides {
-            strategies: Some("fedbuff".into()),
-            ..ScenarioOverrides::default()
-        };
-        let loaded = load("fidelity-smoke", &only_fedbuff).unwrap();
-        let err = run_strategy(&loaded, "fedbuff", Path::new("/nonexistent"))
+        let loaded = load("fidelity-smoke", &ScenarioOverrides::default()).unwrap();
+        let err = run_strategy(&loaded, "gossip", Path::new("/nonexistent"))
             .err()
             .unwrap()
             .to_string();
-        assert!(err.contains("fedbuff") && err.contains("elastic"), "{err}");
+        assert!(err.contains("gossip") && err.contains("fedbuff"), "{err}");
         let err = load("two-datacenters", &ScenarioOverrides::default())
             .err()
             .unwrap()

@@ -90,6 +90,18 @@ fn lossy_cluster_trains_within_one_point_of_the_clean_cluster() {
     // Status and metrics were served.
     let metrics = std::fs::read_to_string(dir.join("lossy/metrics.txt")).unwrap();
     assert!(metrics.contains("dreamddp_layer_version"), "{metrics}");
+    // The trainers reported their distances to the global model: the coordinator's
+    // divergence monitor has a spread for every layer, and it is a real measurement.
+    let spreads: Vec<f64> = metrics
+        .lines()
+        .filter(|l| l.starts_with("dreamddp_layer_divergence_spread{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(!spreads.is_empty(), "{metrics}");
+    assert!(
+        spreads.iter().all(|&d| d.is_finite() && d >= 0.0) && spreads.iter().any(|&d| d > 0.0),
+        "{spreads:?}"
+    );
 }
 
 /// `examples/cluster-mixed.toml`: the worker node trains with libtorch, the edges with the

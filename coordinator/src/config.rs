@@ -1,7 +1,9 @@
-//! Configuration of the coordinator state machine: the cluster secret, the lease length and
-//! the model's layer manifest the layer map is computed over.
+//! Configuration of the coordinator state machine: the cluster secret, the lease length,
+//! the model's layer manifest the layer map is computed over, and the divergence monitor.
 
 use serde::{Deserialize, Serialize};
+
+use crate::divergence::DivergenceConfig;
 
 /// Identifies one connection; chosen by the shell (unique for the process lifetime).
 pub type ConnId = u64;
@@ -18,7 +20,7 @@ pub struct LayerInfo {
 }
 
 /// What the coordinator state machine needs to run.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CoordinatorConfig {
     /// Shared secret every [`protocol::Join`] must present.
     pub credentials: String,
@@ -26,4 +28,7 @@ pub struct CoordinatorConfig {
     pub lease_ms: u64,
     /// The model's layers (ids must be unique; the first of a repeated id wins).
     pub layers: Vec<LayerInfo>,
+    /// When the divergence monitor warns.
+    #[serde(default)]
+    pub divergence: DivergenceConfig,
 }

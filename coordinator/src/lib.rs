@@ -4,6 +4,8 @@
 //!   leases, elastic join/leave, the layer → aggregator map (rebalanced by rendezvous
 //!   hashing when aggregators come and go), the global checkpoint (newest
 //!   [`protocol::LayerVersion`] per layer) and the latest stats of every node.
+//! * [`divergence`] — the divergence monitor: per layer, the spread of the trainers'
+//!   distances to the global model, and a warning when it grows.
 //! * [`layer_map`] — rendezvous hashing of layers over aggregators.
 //! * [`status`] — the operator's view ([`StatusReport`], JSON via serde) and its Prometheus
 //!   exposition ([`prometheus_text`]).
@@ -16,6 +18,7 @@
 //! * [`config`], [`error`] — configuration and typed refusal/input errors.
 
 pub mod config;
+pub mod divergence;
 pub mod error;
 mod http;
 pub mod layer_map;
@@ -26,6 +29,7 @@ pub mod state;
 pub mod status;
 
 pub use config::{ConnId, CoordinatorConfig, LayerInfo};
+pub use divergence::{DivergenceConfig, DivergenceMonitor, DivergenceWarning, LayerSpread};
 pub use error::{InputError, RefusalReason};
 pub use layer_map::{assign_owners, owner_of, LayerMove};
 pub use log::EventCounts;

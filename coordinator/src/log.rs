@@ -28,6 +28,8 @@ pub struct EventCounts {
     pub checkpoint_advanced: u64,
     /// Error replies received from peers.
     pub peer_errors: u64,
+    /// Divergence warnings (a layer's spread grew past its recent low).
+    pub divergence_warnings: u64,
 }
 
 /// `aggregator=[layers]` groups, e.g. `10=[0,2,5] 11=[1,3]`.
@@ -133,6 +135,20 @@ pub fn log_event(event: &CoordEvent, counts: &mut EventCounts) {
             warn!(
                 "[WARN] peer={peer} replied {:?}: {}",
                 error.code, error.text
+            );
+        }
+        CoordEvent::Divergence {
+            layer_id,
+            layer,
+            spread,
+            baseline,
+            farthest_node,
+            farthest,
+        } => {
+            counts.divergence_warnings += 1;
+            warn!(
+                "[WARN] divergence layer={layer} id={layer_id} spread={spread:.4} ({:.1}x its recent low {baseline:.4}) farthest={farthest} id={farthest_node}",
+                spread / baseline.max(f32::MIN_POSITIVE)
             );
         }
     }

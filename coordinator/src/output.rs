@@ -141,6 +141,22 @@ pub enum CoordEvent {
         /// The old owner.
         from: u64,
     },
+    /// A layer's spread of the trainers' distances to the global model grew past its
+    /// recent low ([`crate::divergence`]).
+    Divergence {
+        /// The layer.
+        layer_id: u32,
+        /// Its name.
+        layer: String,
+        /// The largest relative distance over the live trainers.
+        spread: f32,
+        /// The layer's lowest spread of the monitor's window.
+        baseline: f32,
+        /// The trainer farthest from the global model.
+        farthest_node: u64,
+        /// Its certificate name.
+        farthest: String,
+    },
     /// A peer sent an error reply (logged, never answered: no error ping-pong).
     PeerError {
         /// The connection.

@@ -100,6 +100,7 @@ async fn members_join_subscribe_report_and_expire_over_quic() {
             credentials: SECRET.into(),
             lease_ms: LEASE_MS,
             layers,
+            divergence: Default::default(),
         },
     })
     .await

@@ -29,7 +29,10 @@
 //!   connection to it) of a known layer, with the manifest's shape and a payload that
 //!   decodes to finite values: kept if newer than the cached one — the global checkpoint
 //!   a newcomer or a new owner bootstraps from.
-//! * **Stats** — the latest per node (kept after the node leaves, for cluster totals).
+//! * **Stats** — the latest per node (kept after the node leaves, for cluster totals). A
+//!   trainer's per-layer distances to the global model feed the divergence monitor
+//!   ([`crate::divergence`]) at most once per [`DIVERGENCE_SAMPLE_MS`], over the live
+//!   trainers; a layer whose spread grew is a [`CoordEvent::Divergence`].
 //! * **Error** from a peer — reported as [`CoordEvent::PeerError`], never answered.
 //! * Anything else — `Error(BadRequest)` naming [`Message::kind`]; the connection stays
 //!   open. Heartbeat/Leave/Stats from a connection that has not joined get
@@ -44,6 +47,7 @@ use protocol::{
 };
 
 use crate::config::{ConnId, CoordinatorConfig, LayerInfo};
+use crate::divergence::DivergenceMonitor;
 use crate::error::{InputError, RefusalReason};
 use crate::layer_map::{self, LayerMove, Owners};
 use crate::output::{CoordEvent, Output};
@@ -108,7 +112,14 @@ pub struct CoordinatorState {
     now_ms: u64,
     outputs: VecDeque<Output>,
     next_node_id: u64,
+    pub(crate) divergence: DivergenceMonitor,
+    /// When the divergence monitor last took a sample.
+    divergence_sampled_ms: Option<u64>,
 }
+
+/// The divergence monitor samples the live trainers' distances at most this often, so its
+/// history spans the same time however many trainers report.
+pub const DIVERGENCE_SAMPLE_MS: u64 = 1_000;
 
 /// How long a hand-over waits for the old owner's final version before the checkpoint is
 /// handed over instead (the old owner may be partitioned away).
@@ -130,6 +141,7 @@ impl CoordinatorState {
                 .entry(layer.layer_id)
                 .or_insert_with(|| layer.clone());
         }
+        let divergence = DivergenceMonitor::new(config.divergence.clone());
         CoordinatorState {
             config,
             layers,
@@ -144,6 +156,8 @@ impl CoordinatorState {
             now_ms: 0,
             outputs: VecDeque::new(),
             next_node_id: 1,
+            divergence,
+            divergence_sampled_ms: None,
         }
     }
 
@@ -319,7 +333,7 @@ impl CoordinatorState {
             }
             Message::Heartbeat(hb) => self.handle_heartbeat(now_ms, conn, hb),
             Message::Leave(leave) => self.handle_leave(conn, leave),
-            Message::Stats(stats) => self.handle_stats(conn, stats),
+            Message::Stats(stats) => self.handle_stats(now_ms, conn, stats),
             Message::LayerVersion(version) => self.handle_layer_version(conn, peer_name, version),
             Message::Error(error) => {
                 self.event(CoordEvent::PeerError {
@@ -498,10 +512,54 @@ impl CoordinatorState {
         Ok(())
     }
 
-    fn handle_stats(&mut self, conn: ConnId, stats: NodeStats) -> Result<(), InputError> {
+    fn handle_stats(
+        &mut self,
+        now_ms: u64,
+        conn: ConnId,
+        stats: NodeStats,
+    ) -> Result<(), InputError> {
         let node_id = self.joined_node(conn, "Stats", stats.node_id)?;
+        let reports_divergence = !stats.layer_divergence.is_empty();
         self.stats.insert(node_id, stats);
+        let due = self
+            .divergence_sampled_ms
+            .is_none_or(|t| now_ms.saturating_sub(t) >= DIVERGENCE_SAMPLE_MS);
+        if reports_divergence && due {
+            self.divergence_sampled_ms = Some(now_ms);
+            self.sample_divergence(now_ms);
+        }
         Ok(())
+    }
+
+    /// Feeds the live trainers' latest distances to the divergence monitor.
+    fn sample_divergence(&mut self, now_ms: u64) {
+        let trainers = self
+            .members
+            .values()
+            .filter(|m| m.role != Role::Aggregator)
+            .filter_map(|m| {
+                let s = self.stats.get(&m.node_id)?;
+                Some((m.node_id, s.layer_divergence.as_slice()))
+            });
+        let warnings = self.divergence.observe(now_ms, trainers);
+        for w in warnings {
+            let layer = self
+                .layers
+                .get(&w.layer_id)
+                .map_or_else(|| w.layer_id.to_string(), |l| l.name.clone());
+            let farthest = self
+                .members
+                .get(&w.farthest_node)
+                .map_or_else(|| w.farthest_node.to_string(), |m| m.name.clone());
+            self.event(CoordEvent::Divergence {
+                layer_id: w.layer_id,
+                layer,
+                spread: w.spread,
+                baseline: w.baseline,
+                farthest_node: w.farthest_node,
+                farthest,
+            });
+        }
     }
 
     fn handle_layer_version(

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use protocol::{NodeStats, Role};
 use serde::Serialize;
 
+use crate::divergence::LayerSpread;
 use crate::state::CoordinatorState;
 
 /// Everything an operator sees about the cluster at one instant.
@@ -21,6 +22,8 @@ pub struct StatusReport {
     pub layers: Vec<LayerStatus>,
     /// Counters summed over every node that reported stats (including nodes that left).
     pub totals: Totals,
+    /// Divergence warnings so far ([`crate::divergence`]).
+    pub divergence_warnings: u64,
 }
 
 /// One member.
@@ -64,6 +67,9 @@ pub struct LayerStatus {
     /// While the layer moves away from a live aggregator: that aggregator, whose final
     /// version the hand-over waits for (at most [`crate::state::RELEASE_TIMEOUT_MS`]).
     pub releasing_from: Option<u64>,
+    /// The latest spread of the trainers' distances to the global layer (`None` until a
+    /// trainer reported one).
+    pub divergence: Option<LayerSpread>,
 }
 
 /// A node's counters ([`NodeStats`] in serde form).
@@ -95,6 +101,9 @@ pub struct StatsReport {
     pub rss_bytes: u64,
     /// Peak resident memory of the node's process, bytes.
     pub peak_rss_bytes: u64,
+    /// Per layer, the trainer's distance to the newest global version it holds, relative to
+    /// that version's norm.
+    pub layer_divergence: Vec<(u32, f32)>,
 }
 
 impl From<&NodeStats> for StatsReport {
@@ -113,6 +122,7 @@ impl From<&NodeStats> for StatsReport {
             accuracy: s.accuracy,
             rss_bytes: s.rss_bytes,
             peak_rss_bytes: s.peak_rss_bytes,
+            layer_divergence: s.layer_divergence.clone(),
         }
     }
 }
@@ -185,6 +195,7 @@ impl CoordinatorState {
                     checkpoint_bytes: cached.map_or(0, |v| v.payload.len() as u64),
                     produced_by: cached.map(|v| v.aggregator_id),
                     releasing_from: self.pending_release.get(&l.layer_id).map(|&(from, _)| from),
+                    divergence: self.divergence.spreads().get(&l.layer_id).copied(),
                 }
             })
             .collect();
@@ -207,6 +218,7 @@ impl CoordinatorState {
             members,
             layers,
             totals,
+            divergence_warnings: self.divergence.warnings(),
         }
     }
 }
@@ -251,7 +263,9 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
 /// `dreamddp_weak_sync_events_total{node,node_id}`, `dreamddp_node_accuracy{node,node_id}`,
 /// `dreamddp_node_resident_bytes{node,node_id,role}`, `dreamddp_node_peak_resident_bytes{…}`,
 /// `dreamddp_deltas_applied_total`, `dreamddp_duplicates_rejected_total`,
-/// `dreamddp_bytes_sent_total`, and the histogram `dreamddp_staleness` (buckets
+/// `dreamddp_bytes_sent_total`, `dreamddp_layer_divergence{node,node_id,layer,layer_id}`,
+/// `dreamddp_layer_divergence_spread{layer,layer_id}`, `dreamddp_layer_divergence_mean{…}`,
+/// `dreamddp_divergence_warnings_total`, and the histogram `dreamddp_staleness` (buckets
 /// `le="0"`… cumulative, the histogram's open last entry only in `le="+Inf"`; no `_sum`,
 /// since the open bucket's staleness is unknown).
 pub fn prometheus_text(report: &StatusReport) -> String {
@@ -385,6 +399,57 @@ pub fn prometheus_text(report: &StatusReport) -> String {
         }
     }
 
+    let layer_names: std::collections::BTreeMap<u32, &str> = report
+        .layers
+        .iter()
+        .map(|l| (l.layer_id, l.name.as_str()))
+        .collect();
+    family(
+        &mut out,
+        "dreamddp_layer_divergence",
+        "gauge",
+        "A live trainer's distance to the newest global version of a layer it holds, relative to that version's norm.",
+    );
+    for (m, s) in &reporting {
+        for &(layer_id, d) in &s.layer_divergence {
+            if !d.is_finite() {
+                continue;
+            }
+            let _ = writeln!(
+                out,
+                "dreamddp_layer_divergence{{node=\"{}\",node_id=\"{}\",layer=\"{}\",layer_id=\"{layer_id}\"}} {d}",
+                label(&m.name),
+                m.node_id,
+                label(layer_names.get(&layer_id).copied().unwrap_or("?")),
+            );
+        }
+    }
+    for (metric, help, value) in [
+        (
+            "dreamddp_layer_divergence_spread",
+            "Largest relative distance to the global layer over the live trainers (the divergence monitor's spread).",
+            (|s: &LayerSpread| s.max) as fn(&LayerSpread) -> f32,
+        ),
+        (
+            "dreamddp_layer_divergence_mean",
+            "Mean relative distance to the global layer over the live trainers.",
+            |s: &LayerSpread| s.mean,
+        ),
+    ] {
+        family(&mut out, metric, "gauge", help);
+        for l in &report.layers {
+            if let Some(spread) = &l.divergence {
+                let _ = writeln!(
+                    out,
+                    "{metric}{{layer=\"{}\",layer_id=\"{}\"}} {}",
+                    label(&l.name),
+                    l.layer_id,
+                    value(spread)
+                );
+            }
+        }
+    }
+
     let t = &report.totals;
     for (name, help, value) in [
         (
@@ -401,6 +466,11 @@ pub fn prometheus_text(report: &StatusReport) -> String {
             "dreamddp_duplicates_rejected_total",
             "Retransmitted deltas rejected as already applied.",
             t.duplicates_rejected,
+        ),
+        (
+            "dreamddp_divergence_warnings_total",
+            "Times a layer's divergence spread grew warn_ratio-fold over its recent low.",
+            report.divergence_warnings,
         ),
     ] {
         family(&mut out, name, "counter", help);
@@ -448,6 +518,7 @@ mod tests {
             credentials: "k".into(),
             lease_ms: 1000,
             layers,
+            divergence: Default::default(),
         });
         let join = |node_id, role, addr: &str| {
             Message::Join(Join {

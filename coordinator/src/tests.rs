@@ -28,6 +28,7 @@ fn config() -> CoordinatorConfig {
                 shape: vec![2, 2],
             })
             .collect(),
+        divergence: Default::default(),
     }
 }
 
@@ -660,6 +661,89 @@ fn disconnected_members_stay_until_their_lease_ends() {
     );
     s.handle_timeout(LEASE);
     assert!(s.member(1).is_none());
+}
+
+/// Two trainers report their distances every second; one drifts away. The coordinator
+/// warns once, names the layer and the drifting node, and exports the spread.
+#[test]
+fn a_drifting_trainer_raises_a_divergence_warning_naming_it() {
+    let run = |divergence: crate::DivergenceConfig| {
+        let mut s = CoordinatorState::new(CoordinatorConfig {
+            divergence,
+            ..config()
+        });
+        s.handle_message(0, 1, "worker-1", join(1, Role::Worker, ""));
+        s.handle_message(0, 2, "edge-2", join(2, Role::Edge, ""));
+        s.handle_message(
+            0,
+            10,
+            "agg-10",
+            join(10, Role::Aggregator, "127.0.0.1:7010"),
+        );
+        drain(&mut s);
+        let stats = |node_id, d: f32| {
+            Message::Stats(NodeStats {
+                node_id,
+                role: Role::Edge,
+                layer_divergence: vec![(3, d), (4, 0.01)],
+                ..Default::default()
+            })
+        };
+        let mut warnings = Vec::new();
+        for t in 0..60u64 {
+            let drift = if t < 40 { 0.02 } else { 0.02 * (t - 38) as f32 };
+            s.handle_message(t * 1000, 1, "worker-1", stats(1, 0.02));
+            s.handle_message(t * 1000 + 10, 2, "edge-2", stats(2, drift));
+            // Aggregators report no distances and never count as trainers.
+            s.handle_message(t * 1000 + 20, 10, "agg-10", stats(10, 9.0));
+            for (conn, name) in [(10, "agg-10"), (1, "worker-1"), (2, "edge-2")] {
+                s.handle_message(t * 1000, conn, name, heartbeat(conn));
+            }
+            for out in drain(&mut s) {
+                if let Output::Event(e @ CoordEvent::Divergence { .. }) = out {
+                    warnings.push(e);
+                }
+            }
+        }
+        (s, warnings)
+    };
+    let (s, warnings) = run(Default::default());
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    let CoordEvent::Divergence {
+        layer_id,
+        layer,
+        farthest,
+        baseline,
+        ..
+    } = &warnings[0]
+    else {
+        unreachable!()
+    };
+    assert_eq!(
+        (*layer_id, layer.as_str(), farthest.as_str()),
+        (3, "fc3", "edge-2")
+    );
+    assert!((baseline - 0.02).abs() < 1e-6, "{baseline}");
+    let report = s.status(60_000);
+    assert_eq!(report.divergence_warnings, 1);
+    let spread = report.layers[3].divergence.unwrap();
+    assert_eq!((spread.nodes, spread.farthest_node), (2, 2));
+    let metrics = crate::prometheus_text(&report);
+    assert!(
+        metrics.contains("dreamddp_divergence_warnings_total 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("dreamddp_layer_divergence{node=\"edge-2\",node_id=\"2\",layer=\"fc3\",layer_id=\"3\"} 0.42"),
+        "{metrics}"
+    );
+    // The same run with the warnings turned off: measured, not warned.
+    let (s, warnings) = run(crate::DivergenceConfig {
+        warn_ratio: 0.0,
+        ..Default::default()
+    });
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert!(s.status(60_000).layers[3].divergence.is_some());
 }
 
 #[test]

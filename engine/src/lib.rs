@@ -10,6 +10,8 @@
 //!   streaming kernels for aggregators).
 //! * [`config_search`]: the best DreamDDP configuration (phase groups, delay) under a cost model
 //!   that carries communication across steps.
+//! * [`divergence`]: a trainer's relative distance to the global model (the divergence monitor's
+//!   input).
 //! * [`outer`]: how a parameter average lands (replace, rebase, DiLoCo's outer Nesterov step).
 
 pub mod backend;
@@ -17,6 +19,7 @@ pub mod bucket;
 pub mod checkpoint;
 pub mod config_search;
 pub mod data;
+pub mod divergence;
 pub mod fused_reduce;
 pub mod layer;
 pub mod layers;

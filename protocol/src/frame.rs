@@ -27,7 +27,7 @@ use crate::message::Message;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"DDP1";
 /// Protocol version this build writes and accepts.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Flag bits this build understands (none yet).
 pub const KNOWN_FLAGS: u16 = 0;
 /// Size of the frame header in bytes.

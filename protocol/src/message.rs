@@ -380,6 +380,10 @@ pub struct NodeStats {
     pub rss_bytes: u64,
     /// Peak resident memory of the node's process since it started, bytes.
     pub peak_rss_bytes: u64,
+    /// Per layer, the trainer's distance to the newest global version it holds, relative
+    /// to that version's norm (`‖θ − θ_global‖ / ‖θ_global‖`), as `(layer_id, distance)`;
+    /// empty for aggregators. The coordinator's divergence monitor reads it.
+    pub layer_divergence: Vec<(u32, f32)>,
 }
 
 /// Liveness: renews a node's lease (sent by nodes, echoed by the coordinator).

@@ -119,7 +119,11 @@ fn arb_stats() -> impl Strategy<Value = NodeStats> {
             prop::collection::vec(any::<u64>(), 0..6),
             any::<Option<f32>>(),
         ),
-        (any::<u64>(), any::<u64>()),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            prop::collection::vec((any::<u32>(), any::<f32>()), 0..6),
+        ),
     )
         .prop_map(
             |(
@@ -132,7 +136,7 @@ fn arb_stats() -> impl Strategy<Value = NodeStats> {
                     dropped_stale,
                 ),
                 (layer_versions, staleness_histogram, accuracy),
-                (rss_bytes, peak_rss_bytes),
+                (rss_bytes, peak_rss_bytes, layer_divergence),
             )| NodeStats {
                 node_id,
                 role,
@@ -149,6 +153,7 @@ fn arb_stats() -> impl Strategy<Value = NodeStats> {
                 accuracy,
                 rss_bytes,
                 peak_rss_bytes,
+                layer_divergence,
             },
         )
 }
@@ -374,6 +379,7 @@ pub fn sample_messages() -> Vec<Message> {
             accuracy: Some(0.91),
             rss_bytes: 90 << 20,
             peak_rss_bytes: 120 << 20,
+            layer_divergence: vec![(0, 0.02), (1, 0.5)],
         }),
         Message::Heartbeat(Heartbeat {
             node_id: 42,

@@ -18,6 +18,10 @@ pub struct SeriesPoint {
     pub bytes_sent: u64,
     /// Mean optimizer steps completed per node so far.
     pub mean_steps: f64,
+    /// Edge kind: the divergence monitor's largest spread over the layers (the farthest
+    /// training device's distance to the global model, relative to its norm).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub divergence: Option<f64>,
 }
 
 /// A per-layer sync event for the timeline plot.
@@ -75,6 +79,13 @@ pub struct StrategyResult {
     /// phase groups, delay, modelled step time) and which one ran.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub plan_candidates: Vec<engine::config_search::Candidate>,
+    /// Edge kind: how often the divergence monitor warned (a layer's spread grew past
+    /// `warn_ratio` × its recent median; `[edge.divergence]`).
+    #[serde(default)]
+    pub divergence_warnings: u64,
+    /// Edge kind: the largest spread at any evaluation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub divergence_peak: Option<f64>,
 }
 
 /// The `summary.json` of a simulation.

@@ -1015,6 +1015,7 @@ impl Shell {
             accuracy: None,
             rss_bytes: memory.rss_bytes,
             peak_rss_bytes: memory.peak_rss_bytes,
+            layer_divergence: Vec::new(),
         };
         tokio::spawn(async move {
             let _ = link

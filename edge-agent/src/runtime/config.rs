@@ -189,6 +189,13 @@ pub struct SyncSection {
     /// to the number of trainers. Default false (elastic).
     #[serde(default)]
     pub wait_for_round: bool,
+    /// FedBuff's client rule (`fedbuff`, Nguyen et al. 2022): every layer is cut at the same
+    /// step (no phase spread), each local round of `period_steps` trains on the global model
+    /// it started from, and global versions that arrive meanwhile wait for the round's cut;
+    /// the next round starts from the newest. Pair it with `[aggregation] rule = "fedbuff"`.
+    /// Default false.
+    #[serde(default)]
+    pub restart_from_global: bool,
 }
 
 fn default_deadline_mode() -> String {

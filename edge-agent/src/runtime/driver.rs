@@ -5,7 +5,7 @@
 //! its [`LeaderHook`]; the network lives in [`super::net`] on tokio and talks to it through
 //! channels only.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Instant;
 
@@ -101,6 +101,16 @@ pub struct SyncDriver {
     top_k: Option<TopKSparsifier>,
     /// Cache changes since the cache's disk use was last checked.
     cache_changes: u32,
+    /// Per layer (index into `layers`), the newest global values written into the model:
+    /// what the layer's distance to the global model is measured against.
+    globals: Vec<Option<Vec<f32>>>,
+    /// Per layer, the distance measured at the last report (`NodeStats::layer_divergence`).
+    divergence: Vec<(u32, f32)>,
+    /// `[sync] restart_from_global` (FedBuff's client rule): global versions wait in `held`
+    /// until the local round's cut, then the next round starts from them.
+    restart_from_global: bool,
+    /// Per layer index: the newest held `(version, values)`.
+    held: BTreeMap<usize, (u64, Vec<f32>)>,
 }
 
 impl SyncDriver {
@@ -120,6 +130,11 @@ impl SyncDriver {
             .enumerate()
             .map(|(i, l)| (l.layer_id, i))
             .collect();
+        // Before any version arrives the anchors are the global values the node started from.
+        let globals = layers
+            .iter()
+            .map(|l| client.anchor(l.layer_id).map(<[f32]>::to_vec))
+            .collect();
         SyncDriver {
             client,
             cache,
@@ -138,7 +153,20 @@ impl SyncDriver {
             scratch: Vec::new(),
             top_k: None,
             cache_changes: 0,
+            globals,
+            divergence: Vec::new(),
+            restart_from_global: false,
+            held: BTreeMap::new(),
         }
+    }
+
+    /// FedBuff's client rule (`[sync] restart_from_global`): from now on each local round
+    /// trains on the model it started from; global versions that arrive meanwhile are held
+    /// and written into the model right after the round's cut, so the next round restarts
+    /// from the newest global model (its own progress was just handed off in the cut).
+    /// Turned on after the bootstrap, which must apply what it downloads.
+    pub fn set_restart_from_global(&mut self, on: bool) {
+        self.restart_from_global = on;
     }
 
     /// After a cache change: compacts the cache when its directory has grown far beyond
@@ -223,7 +251,7 @@ impl SyncDriver {
             self.client.handle_timeout(now);
         }
         self.drain_outputs(model, &mut changed)?;
-        self.maybe_report();
+        self.maybe_report(model);
         Ok(changed)
     }
 
@@ -316,28 +344,50 @@ impl SyncDriver {
                     let Some(&li) = self.by_id.get(&layer_id) else {
                         continue;
                     };
-                    let index = self.layers[li].model_index;
-                    self.scratch = read_unit(model, index, UnitData::Values);
-                    match self
-                        .client
-                        .apply_version(layer_id, &mut self.scratch, &values, version)
-                    {
-                        Ok(true) => {
-                            write_unit(model, index, UnitData::Values, &self.scratch);
-                            self.counters.versions_applied += 1;
-                            if !changed.contains(&index) {
-                                changed.push(index);
-                            }
-                            debug!("[VERSION] layer={} version={version}", self.layers[li].name);
+                    if self.restart_from_global {
+                        let newer = self.held.get(&li).is_none_or(|(v, _)| version > *v);
+                        if newer {
+                            self.held.insert(li, (version, values));
                         }
-                        Ok(false) => {}
-                        Err(e) => return Err(format!("applying a global version: {e}")),
+                        continue;
                     }
+                    self.apply_global(model, li, version, values, changed)?;
                 }
                 Output::Event(e) => self.log_event(e),
             }
         }
         Ok(())
+    }
+
+    /// Writes global `version` of layer `li` into the model by the asynchrony rule
+    /// ([`SyncClient::apply_version`]); does nothing when the layer already has a newer one.
+    fn apply_global(
+        &mut self,
+        model: &mut dyn ModelReplica,
+        li: usize,
+        version: u64,
+        values: Vec<f32>,
+        changed: &mut Vec<usize>,
+    ) -> Result<(), String> {
+        let (layer_id, index) = (self.layers[li].layer_id, self.layers[li].model_index);
+        self.scratch = read_unit(model, index, UnitData::Values);
+        match self
+            .client
+            .apply_version(layer_id, &mut self.scratch, &values, version)
+        {
+            Ok(true) => {
+                write_unit(model, index, UnitData::Values, &self.scratch);
+                self.globals[li] = Some(values);
+                self.counters.versions_applied += 1;
+                if !changed.contains(&index) {
+                    changed.push(index);
+                }
+                debug!("[VERSION] layer={} version={version}", self.layers[li].name);
+                Ok(())
+            }
+            Ok(false) => Ok(()),
+            Err(e) => Err(format!("applying a global version: {e}")),
+        }
     }
 
     fn layer_name(&self, layer_id: u32) -> &str {
@@ -412,11 +462,25 @@ impl SyncDriver {
         }
     }
 
-    fn maybe_report(&mut self) {
+    /// Each layer's distance to the newest global version written into it, relative to
+    /// that version's norm.
+    fn measure_divergence(&mut self, model: &mut dyn ModelReplica) {
+        self.divergence.clear();
+        for (l, global) in self.layers.iter().zip(&self.globals) {
+            let Some(global) = global else { continue };
+            let theta = read_unit(model, l.model_index, UnitData::Values);
+            if let Some(d) = engine::divergence::relative_distance(&theta, global) {
+                self.divergence.push((l.layer_id, d));
+            }
+        }
+    }
+
+    fn maybe_report(&mut self, model: &mut dyn ModelReplica) {
         let due = self
             .last_stats
             .is_none_or(|t| t.elapsed() >= self.stats_every);
         if due {
+            self.measure_divergence(model);
             self.last_stats = Some(Instant::now());
             self.outbox.to_coordinator(Message::Stats(self.stats()));
         }
@@ -449,6 +513,7 @@ impl SyncDriver {
             accuracy: self.counters.accuracy,
             rss_bytes: memory.rss_bytes,
             peak_rss_bytes: memory.peak_rss_bytes,
+            layer_divergence: self.divergence.clone(),
         }
     }
 
@@ -505,8 +570,16 @@ impl LeaderHook for SyncDriver {
         // Versions that arrived during the step are applied before the cut, so the delta is
         // taken against the freshest anchor.
         let mut changed = self.pump(model)?;
+        let round_end = self.restart_from_global && self.client.due_layers(step).next().is_some();
         self.cut(step, samples, model)?;
-        for index in self.pump(model)? {
+        let mut after = self.pump(model)?;
+        if round_end {
+            // The round's progress is handed off: restart from the newest global model.
+            for (li, (version, values)) in std::mem::take(&mut self.held) {
+                self.apply_global(model, li, version, values, &mut after)?;
+            }
+        }
+        for index in after {
             if !changed.contains(&index) {
                 changed.push(index);
             }

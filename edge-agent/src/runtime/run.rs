@@ -389,8 +389,8 @@ pub fn run_node_until(
             matrix_rows: None,
         })
         .collect();
-    // Synchronous rounds send the whole model at the same step.
-    if !config.sync.wait_for_round {
+    // Synchronous rounds and FedBuff's rounds send the whole model at the same step.
+    if !config.sync.wait_for_round && !config.sync.restart_from_global {
         spread_phases(&mut specs);
     }
     let inits = specs
@@ -471,6 +471,10 @@ pub fn run_node_until(
         }
     }
 
+    // FedBuff's client rule starts with the first local round (the bootstrap applied what
+    // it downloaded).
+    driver.set_restart_from_global(config.sync.restart_from_global);
+
     // A restarted node resumes at the step its last run recorded.
     let progress_path = config.node.data_dir.join("progress");
     let first_step = read_progress(&progress_path).min(config.training.steps);
@@ -522,6 +526,8 @@ pub fn run_node_until(
         overruns: p.overruns,
     });
     let mut driver = leader.driver;
+    // Draining: nothing is trained any more, so versions are written in as they arrive.
+    driver.set_restart_from_global(false);
 
     // Drain (unless asked to stop): keep exchanging until every delta is acknowledged, the
     // timeout passes, or a stop arrives.

@@ -474,6 +474,8 @@ impl<'a> Simulation<'a> {
                 .search_candidates()
                 .map(<[_]>::to_vec)
                 .unwrap_or_default(),
+            divergence_warnings: 0,
+            divergence_peak: None,
         })
     }
 
@@ -514,6 +516,7 @@ impl<'a> Simulation<'a> {
             loss: eval.loss,
             bytes_sent,
             mean_steps: steps as f64,
+            divergence: None,
         }
     }
 

@@ -99,6 +99,10 @@ pub struct EdgeSpec {
     /// `fedbuff`: buffered asynchronous aggregation.
     #[serde(default)]
     pub fedbuff: FedBuffSpec,
+    /// The divergence monitor (`[edge.divergence]`, as the coordinator's `[divergence]`):
+    /// fed at each evaluation; `summary.json` counts its warnings.
+    #[serde(default)]
+    pub divergence: coordinator::DivergenceConfig,
 }
 
 /// `[edge] deadline_mode`.
@@ -504,6 +508,12 @@ impl EdgeSpec {
         if self.cloud.workers == 0 {
             return Err(spec_error("edge.cloud.workers", "must be at least 1"));
         }
+        self.divergence.validate().map_err(|problem| {
+            let (key, rest) = problem
+                .split_once(" = ")
+                .unwrap_or(("divergence", &problem));
+            spec_error(format!("edge.{key}"), format!("= {rest}"))
+        })?;
         let cloud_link = if self.cloud.count > 0 {
             Some(resolve_link(
                 &scenario.links,

@@ -376,3 +376,50 @@ fn learning_rate_damping_reaches_the_replicas() {
         "damping changed nothing"
     );
 }
+
+#[test]
+fn the_divergence_monitor_sees_an_outage() {
+    // Every device loses its link for 25 s late in training while the cloud node
+    // keeps moving the global model: the devices' layers drift away from it.
+    let outage = format!("{LOSSY}\noutages = [{{ start_s = 50, duration_s = 25 }}]");
+    let long = |link: &str| {
+        let mut s = tiny(link, "");
+        s.max_steps = 900;
+        s
+    };
+    let (calm, _) = run(&long(LOSSY), "elastic");
+    let (cut_off, _) = run(&long(&outage), "elastic");
+    // The largest distance during the outage's second half (early training moves every
+    // model far more, so the run's peak would not tell).
+    let peak = |r: &StrategyResult| {
+        r.series
+            .iter()
+            .filter(|p| (60.0..=75.0).contains(&p.time_s))
+            .filter_map(|p| p.divergence)
+            .fold(0.0, f64::max)
+    };
+    let series = |r: &StrategyResult| {
+        r.series
+            .iter()
+            .map(|p| format!("{:.0}s:{:.3}", p.time_s, p.divergence.unwrap_or(f64::NAN)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    eprintln!("calm: {}\noutage: {}", series(&calm), series(&cut_off));
+    assert!(peak(&cut_off) > 3.0 * peak(&calm));
+    assert_eq!(calm.divergence_warnings, 0);
+    assert!(cut_off.divergence_warnings > 0);
+    // Turned off: measured, never warned.
+    let mut quiet = long(&outage);
+    quiet.edge.as_mut().unwrap().divergence.warn_ratio = 0.0;
+    let (q, _) = run(&quiet, "elastic");
+    assert_eq!(
+        (q.divergence_warnings, q.divergence_peak),
+        (0, cut_off.divergence_peak)
+    );
+    // A bad value names its key.
+    let mut bad = tiny(LOSSY, "");
+    bad.edge.as_mut().unwrap().divergence.window_ms = 100;
+    let err = run_edge(&bad, &digits_task(), "elastic", &mut |_| {}).unwrap_err();
+    assert!(err.contains("edge.divergence.window_ms"), "{err}");
+}

@@ -10,11 +10,14 @@
 //! one still waiting (a shell streams state, not a log of states). The client's cache outputs go
 //! to an in-memory durable store (the simulator's stand-in for sled), confirmed at once.
 
+mod divergence;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
 
+use coordinator::DivergenceMonitor;
 use cpu_aggregator::{AggEvent, Aggregation, AggregatorConfig, AggregatorState, OwnedLayer};
 use edge_agent::runtime::config::{parse_delta_codec, DeltaCodec};
 use edge_agent::runtime::topk::TopKSparsifier;
@@ -381,6 +384,11 @@ pub struct World<'a> {
     max_steps: u64,
     end: SimTime,
     fatal: Option<String>,
+    /// The coordinator's divergence monitor, fed at each evaluation (`world/divergence.rs`).
+    divergence: DivergenceMonitor,
+    divergence_warnings: u64,
+    /// Largest spread seen at any evaluation.
+    divergence_peak: Option<f64>,
 }
 
 impl<'a> World<'a> {
@@ -703,6 +711,9 @@ impl<'a> World<'a> {
             max_steps,
             end,
             fatal: None,
+            divergence: DivergenceMonitor::new(spec.divergence.clone()),
+            divergence_warnings: 0,
+            divergence_peak: None,
         })
     }
 
@@ -1652,6 +1663,10 @@ impl<'a> World<'a> {
             .task
             .evaluate(&mut self.eval_model, Some(self.scenario.eval_limit));
         let now_s = self.now().as_secs_f64();
+        let divergence = self.observe_divergence(now_s);
+        if let Some(d) = divergence {
+            self.divergence_peak = Some(self.divergence_peak.map_or(d, |p| p.max(d)));
+        }
         let mean_steps = if self.nodes.is_empty() {
             0.0
         } else {
@@ -1663,6 +1678,7 @@ impl<'a> World<'a> {
             loss: ev.loss,
             bytes_sent: self.bytes_total,
             mean_steps,
+            divergence,
         });
         let reached = match ev.accuracy {
             Some(acc) => acc >= self.scenario.target,
@@ -1868,6 +1884,8 @@ impl<'a> World<'a> {
             series: self.series.clone(),
             timeline: self.timeline.clone(),
             plan_candidates: Vec::new(),
+            divergence_warnings: self.divergence_warnings,
+            divergence_peak: self.divergence_peak,
         };
         let diagnostics = EdgeDiagnostics {
             ledger: check,
