@@ -599,3 +599,7 @@ impl LeaderHook for SyncDriver {
             .collect()
     }
 }
+
+#[cfg(test)]
+#[path = "driver_tests.rs"]
+mod tests;
