@@ -393,6 +393,7 @@ fn aggregation_section(config: &AggregatorConfig) -> AggregationSection {
         round_size: config.round_size,
         round_timeout_ms: config.round_timeout_ns.div_ceil(1_000_000),
         outer_lr: config.outer_lr,
+        outer_lr_scaling: config.outer_lr_scaling,
         rule: match config.aggregation {
             Aggregation::Buffered => "fedbuff".into(),
             Aggregation::WeightedMean => "mean".into(),

@@ -3,6 +3,7 @@
 //! broadcast codec).
 
 use engine::staleness::StalenessFn;
+use serde::{Deserialize, Serialize};
 use protocol::Codec;
 
 use crate::error::AggregatorError;
@@ -40,6 +41,9 @@ pub struct AggregatorConfig {
     pub tau_max: u64,
     /// Outer learning rate `η` in `θ ← θ + η · Σ wᵢΔᵢ / Σ wᵢ`.
     pub outer_lr: f32,
+    /// Whether `η` is used as is or scaled by the round's share of the nodes contributing
+    /// now ([`OuterLrScaling`]).
+    pub outer_lr_scaling: OuterLrScaling,
     /// Distinct senders that close a round (≥ 1).
     pub round_size: usize,
     /// A round with at least one delta is applied this many nanoseconds after its first
@@ -60,6 +64,20 @@ pub struct AggregatorConfig {
     pub min_round_senders: usize,
 }
 
+/// How the outer learning rate of a [`Aggregation::WeightedMean`] round is set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OuterLrScaling {
+    /// `η` as configured (an asynchronous aggregator with `N` nodes needs `η ≈ 1/N`).
+    #[default]
+    Fixed,
+    /// `η · k / N_active` for a round of `k` distinct senders, `N_active` the nodes
+    /// contributing to the layer now ([`crate::contributors`]): the update normalizes itself
+    /// to the node count, so one `η` (1: move at the pace of the nodes' mean) serves 3 nodes
+    /// or 1,000, and a node count that changes while the job runs.
+    Contributors,
+}
+
 /// How the deltas of a round are combined.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Aggregation {
@@ -77,6 +95,7 @@ impl Default for AggregatorConfig {
             staleness: StalenessFn::default(),
             tau_max: 8,
             outer_lr: 1.0,
+            outer_lr_scaling: OuterLrScaling::Fixed,
             round_size: 1,
             round_timeout_ns: 1_000_000_000,
             broadcast_codec: Codec::RawF32,

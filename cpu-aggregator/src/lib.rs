@@ -19,16 +19,18 @@
 //! 3. persists [`AggregatorState::snapshot`] when it wants durability (see the durability
 //!    note on [`Output`]).
 //!
-//! Modules: [`config`] (layers and tuning), [`state`] (the state machine), [`snapshot`]
+//! Modules: [`config`] (layers and tuning), [`contributors`] (the node count behind the
+//! self-normalizing outer learning rate), [`state`] (the state machine), [`snapshot`]
 //! (checksummed byte encoding of the shard), [`error`] (typed errors).
 
 pub mod config;
+pub mod contributors;
 pub mod error;
 pub mod server;
 pub mod snapshot;
 pub mod state;
 
-pub use config::{Aggregation, AggregatorConfig, NodeId, OwnedLayer};
+pub use config::{Aggregation, AggregatorConfig, NodeId, OuterLrScaling, OwnedLayer};
 pub use error::{AggregatorError, InputError, SnapshotError};
 pub use state::{AggEvent, AggregatorCounters, AggregatorState, LayerView, Output};
 

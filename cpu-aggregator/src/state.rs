@@ -23,7 +23,9 @@
 //! 4. the payload decodes and is finite (else `BadRequest`), and the delta joins the
 //!    layer's open round. The round is applied by the [`AggregatorConfig`] round policy.
 //!
-//! Applying a round: `θ ← θ + η · Σ wᵢΔᵢ / Σ wᵢ` (`wᵢ = nᵢ·s(τᵢ)`), version + 1, then
+//! Applying a round: `θ ← θ + η · Σ wᵢΔᵢ / Σ wᵢ` (`wᵢ = nᵢ·s(τᵢ)`; with
+//! [`OuterLrScaling::Contributors`], `η` times the round's `k` senders over the nodes
+//! contributing now), version + 1, then
 //! outputs in this order: [`AggEvent::Applied`], one `DeltaAck { applied: true }` per
 //! contributor, one [`Output::Broadcast`] of the new [`LayerVersion`].
 //!
@@ -47,7 +49,8 @@ use protocol::{
     LayerPayload, LayerVersion, Message, Resync, ResyncReason,
 };
 
-use crate::config::{Aggregation, AggregatorConfig, NodeId, OwnedLayer};
+use crate::config::{Aggregation, AggregatorConfig, NodeId, OuterLrScaling, OwnedLayer};
+use crate::contributors::Contributors;
 use crate::error::{AggregatorError, InputError, SnapshotError};
 use crate::snapshot::{self, SnapshotData, SnapshotLayer};
 
@@ -251,6 +254,8 @@ struct LayerState {
     /// failed pass never leaves a half-updated model).
     next_values: Vec<f32>,
     round_started_at: Option<u64>,
+    /// Who has contributed lately ([`OuterLrScaling::Contributors`]).
+    contributors: Contributors,
 }
 
 impl LayerState {
@@ -372,6 +377,7 @@ impl AggregatorState {
             values_max_abs,
             next_values: Vec::new(),
             round_started_at: None,
+            contributors: Contributors::default(),
         });
         Ok(())
     }
@@ -440,7 +446,7 @@ impl AggregatorState {
                 if senders < self.config.min_round_senders {
                     self.fail_round(li, senders);
                 } else {
-                    self.close_round(li);
+                    self.close_round(li, now);
                 }
             }
         }
@@ -590,6 +596,7 @@ impl AggregatorState {
                 layer.acc_max_abs = acc_max_abs;
                 layer.pending.push(delta);
                 layer.round_started_at.get_or_insert(now);
+                layer.contributors.record(from, now);
             }
             Err(e) => {
                 if !first {
@@ -600,7 +607,7 @@ impl AggregatorState {
             }
         }
         if layer.distinct_senders() >= self.config.round_size {
-            self.close_round(li);
+            self.close_round(li, now);
         }
     }
 
@@ -842,9 +849,17 @@ impl AggregatorState {
     /// broadcast codec is raw f32. In place when no value can overflow
     /// ([`in_place_is_safe`]); otherwise into a second buffer that replaces `θ` only if every
     /// value is finite — an overflowing round is dropped unacknowledged.
-    fn close_round(&mut self, li: usize) {
+    fn close_round(&mut self, li: usize, now: u64) {
         let broadcast_raw = self.config.broadcast_codec.base() == Codec::RawF32;
-        let eta = f64::from(self.config.outer_lr);
+        let mut eta = f64::from(self.config.outer_lr);
+        if self.config.outer_lr_scaling == OuterLrScaling::Contributors
+            && self.config.aggregation == Aggregation::WeightedMean
+        {
+            // The round's share of the nodes contributing now (`crate::contributors`).
+            let layer = &self.layers[li];
+            let k = layer.distinct_senders();
+            eta *= k as f64 / layer.contributors.active(now, k).max(1) as f64;
+        }
         if self.layers[li].pending.is_empty() {
             self.layers[li].round_started_at = None;
             return;

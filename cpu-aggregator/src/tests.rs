@@ -719,3 +719,46 @@ fn a_round_below_its_minimum_completion_is_refused_at_the_deadline() {
     drain(&mut a);
     assert_eq!(a.layer(0).unwrap().values, [3.0; 4]);
 }
+
+#[test]
+fn contributor_scaling_moves_the_model_by_the_mean_of_the_nodes_training_now() {
+    const S: u64 = 1_000_000_000;
+    let config = |outer_lr_scaling| AggregatorConfig {
+        outer_lr_scaling,
+        staleness: StalenessFn::Constant,
+        tau_max: 1000,
+        ..Default::default()
+    };
+    // Layer 1 (2 values, at 0). Each of `nodes` sends `+1` every 2 s.
+    let period = |a: &mut AggregatorState, nodes: u64, t: u64, seq: u64| -> f32 {
+        let before = a.layer(1).unwrap().values[0];
+        for node in 0..nodes {
+            let base = a.layer(1).unwrap().version;
+            a.handle_message(t + node, node, delta(node, 1, seq, base, 32, &[1.0, 1.0]));
+            drain(a);
+        }
+        a.layer(1).unwrap().values[0] - before
+    };
+    let mut scaled = agg(config(crate::OuterLrScaling::Contributors));
+    let mut fixed = agg(config(crate::OuterLrScaling::Fixed));
+    for seq in 1..=3 {
+        period(&mut scaled, 4, seq * 2 * S, seq);
+        period(&mut fixed, 4, seq * 2 * S, seq);
+    }
+    // Steady state: 4 nodes, each delta applied with 1/4: the period adds their mean.
+    let moved = period(&mut scaled, 4, 8 * S, 4);
+    assert!((moved - 1.0).abs() < 1e-6, "{moved}");
+    // A fixed η = 1 adds their sum.
+    assert!((period(&mut fixed, 4, 8 * S, 4) - 4.0).abs() < 1e-6);
+    // Twice the nodes, same config: still their mean, once every node has been seen.
+    period(&mut scaled, 8, 10 * S, 5);
+    let moved = period(&mut scaled, 8, 12 * S, 6);
+    assert!((moved - 1.0).abs() < 1e-6, "{moved}");
+    // Nodes 2..8 lose their links; after three of their gaps only 0 and 1 count, and the
+    // model moves at the pace of the two that train.
+    for (i, seq) in (7..=10).enumerate() {
+        period(&mut scaled, 2, (14 + 2 * i as u64) * S, seq);
+    }
+    let moved = period(&mut scaled, 2, 22 * S, 11);
+    assert!((moved - 1.0).abs() < 1e-6, "{moved}");
+}

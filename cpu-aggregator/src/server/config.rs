@@ -10,7 +10,7 @@ use protocol::Codec;
 use serde::{Deserialize, Serialize};
 use transport::config::{TransportSection, TransportSectionError};
 
-use crate::config::{Aggregation, AggregatorConfig};
+use crate::config::{Aggregation, AggregatorConfig, OuterLrScaling};
 
 /// Identity and addresses of the aggregator process.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -64,6 +64,11 @@ pub struct AggregationSection {
     /// Outer learning rate.
     #[serde(default = "default_outer_lr")]
     pub outer_lr: f32,
+    /// `fixed`: `outer_lr` as is; `contributors`: `outer_lr` times a round's share of the
+    /// nodes contributing now, so `outer_lr = 1` moves the model at the pace of their mean
+    /// whatever their number (`cpu_aggregator::contributors`).
+    #[serde(default)]
+    pub outer_lr_scaling: OuterLrScaling,
     /// How a round is combined: `mean` (staleness- and sample-weighted mean) or `fedbuff`
     /// (the FedBuff server rule: the round's deltas weighted by s(τ), summed, divided by
     /// their count).
@@ -173,6 +178,7 @@ impl AggregatorRunConfig {
             staleness,
             tau_max: a.tau_max,
             outer_lr: a.outer_lr,
+            outer_lr_scaling: a.outer_lr_scaling,
             round_size: a.round_size,
             round_timeout_ns: a.round_timeout_ms.saturating_mul(1_000_000),
             broadcast_codec: Codec::RawF32,

@@ -198,6 +198,11 @@ pub struct AggregatorsSpec {
     /// instead of the sum of all of them. `blocking` rounds average every node with η = 1.
     #[serde(default = "default_outer_lr")]
     pub outer_lr: f32,
+    /// `elastic`: `fixed` (`outer_lr` as is) or `contributors` (`outer_lr` times a round's
+    /// share of the nodes contributing now: `outer_lr = 1` moves the global model at the
+    /// pace of their mean for any node count; `cpu_aggregator::contributors`).
+    #[serde(default)]
+    pub outer_lr_scaling: cpu_aggregator::OuterLrScaling,
     /// `blocking`: a round waits for every node, but at most this long after its first delta
     /// (seconds, default 60), so a crashed or departed node cannot stall it forever.
     #[serde(default = "default_blocking_round_timeout_s")]

@@ -18,7 +18,9 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use coordinator::DivergenceMonitor;
-use cpu_aggregator::{AggEvent, Aggregation, AggregatorConfig, AggregatorState, OwnedLayer};
+use cpu_aggregator::{
+    AggEvent, Aggregation, AggregatorConfig, AggregatorState, OuterLrScaling, OwnedLayer,
+};
 use edge_agent::runtime::config::{parse_delta_codec, DeltaCodec};
 use edge_agent::runtime::topk::TopKSparsifier;
 use edge_agent::{
@@ -497,6 +499,10 @@ impl<'a> World<'a> {
                 SyncMode::Elastic => spec.aggregators.outer_lr,
                 SyncMode::Blocking | SyncMode::FedAvgDeadline => 1.0,
                 SyncMode::FedBuff => spec.fedbuff.server_lr,
+            },
+            outer_lr_scaling: match mode {
+                SyncMode::Elastic => spec.aggregators.outer_lr_scaling,
+                _ => OuterLrScaling::Fixed,
             },
             round_size: match mode {
                 SyncMode::Elastic => spec.aggregators.round_size,
