@@ -529,7 +529,11 @@ mod tests {
         assert!(file.edges[1].relay.as_ref().unwrap().up.bandwidth.is_some());
         assert!(!file.sync.wait_for_round);
         assert_eq!(file.aggregation.round_size, 1);
-        assert!((file.aggregation.outer_lr - 0.34).abs() < 1e-6);
+        assert_eq!(file.aggregation.outer_lr, 1.0);
+        assert_eq!(
+            file.aggregation.outer_lr_scaling,
+            cpu_aggregator::OuterLrScaling::Contributors
+        );
         assert_eq!(file.training.lr_schedule, Some(plan.schedule));
     }
 
@@ -539,6 +543,10 @@ mod tests {
         assert!(file.sync.wait_for_round);
         assert_eq!(file.aggregation.round_size, 3);
         assert_eq!(file.aggregation.outer_lr, 1.0);
+        assert_eq!(
+            file.aggregation.outer_lr_scaling,
+            cpu_aggregator::OuterLrScaling::Fixed
+        );
         assert_eq!(file.aggregation.rule, "mean");
     }
 

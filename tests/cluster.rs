@@ -187,9 +187,6 @@ deadline_ms = 300
 max_attempts = 2
 drain_timeout_s = 60
 
-[aggregation]
-outer_lr = 0.25
-
 [[aggregators]]
 name = "agg-1"
 
@@ -380,9 +377,6 @@ eval_every = 0
 [sync]
 deadline_ms = 300
 drain_timeout_s = 60
-
-[aggregation]
-outer_lr = 0.3
 
 [[aggregators]]
 name = "agg-1"
@@ -676,8 +670,7 @@ fn an_authenticated_peer_sending_bad_frames_is_disconnected_and_training_goes_on
         &file,
         format!(
             "[cluster]\nname = \"hostile\"\ntimeout_s = 600\n\n[model]\nmodel = \"mlp\"\ndataset = \"auto\"\n\n\
-             [training]\nsteps = {steps}\neval_every = 0\n\n[aggregation]\nouter_lr = 0.3\n\n\
-             [[aggregators]]\nname = \"agg-1\"\n\n[[workers]]\nname = \"node-1\"\nworkers = 2\n\n\
+             [training]\nsteps = {steps}\neval_every = 0\n\n[[aggregators]]\nname = \"agg-1\"\n\n[[workers]]\nname = \"node-1\"\nworkers = 2\n\n\
              [[edges]]\nname = \"edge-1\"\n"
         ),
     )

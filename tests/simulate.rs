@@ -33,7 +33,6 @@ link = "dc"
 [edge.aggregators]
 count = 1
 link = "dc"
-outer_lr = 0.25
 
 [edge.devices]
 count = 3

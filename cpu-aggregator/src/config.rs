@@ -3,8 +3,8 @@
 //! broadcast codec).
 
 use engine::staleness::StalenessFn;
-use serde::{Deserialize, Serialize};
 use protocol::Codec;
+use serde::{Deserialize, Serialize};
 
 use crate::error::AggregatorError;
 

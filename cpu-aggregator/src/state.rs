@@ -789,12 +789,16 @@ impl AggregatorState {
         let layer_id = layer.layer_id;
         let adopted = self.adopt_values(layer, version)?;
         if adopted {
+            let li = self.index.get(&layer_id).copied();
             for a in applied {
                 let high = self
                     .highest_applied_seq
                     .entry((a.node_id, layer_id))
                     .or_insert(a.seq);
                 *high = (*high).max(a.seq);
+                if let Some(li) = li {
+                    self.layers[li].contributors.seed(a.node_id);
+                }
             }
         }
         Ok(adopted)
@@ -856,7 +860,7 @@ impl AggregatorState {
             && self.config.aggregation == Aggregation::WeightedMean
         {
             // The round's share of the nodes contributing now (`crate::contributors`).
-            let layer = &self.layers[li];
+            let layer = &mut self.layers[li];
             let k = layer.distinct_senders();
             eta *= k as f64 / layer.contributors.active(now, k).max(1) as f64;
         }
@@ -1020,6 +1024,9 @@ impl AggregatorState {
         }
         for (node, layer, seq) in data.seq_table {
             state.highest_applied_seq.insert((node, layer), seq);
+            if let Some(&li) = state.index.get(&layer) {
+                state.layers[li].contributors.seed(node);
+            }
         }
         state.counters = data.counters;
         for li in 0..state.layers.len() {

@@ -754,11 +754,34 @@ fn contributor_scaling_moves_the_model_by_the_mean_of_the_nodes_training_now() {
     period(&mut scaled, 8, 10 * S, 5);
     let moved = period(&mut scaled, 8, 12 * S, 6);
     assert!((moved - 1.0).abs() < 1e-6, "{moved}");
-    // Nodes 2..8 lose their links; after three of their gaps only 0 and 1 count, and the
-    // model moves at the pace of the two that train.
-    for (i, seq) in (7..=10).enumerate() {
+    // Nodes 2..8 lose their links; a minute after their last delta only 0 and 1 count,
+    // and the model moves at the pace of the two that train.
+    for (i, seq) in (7..=40).enumerate() {
         period(&mut scaled, 2, (14 + 2 * i as u64) * S, seq);
     }
-    let moved = period(&mut scaled, 2, 22 * S, 11);
+    let moved = period(&mut scaled, 2, 82 * S, 41);
     assert!((moved - 1.0).abs() < 1e-6, "{moved}");
+}
+
+#[test]
+fn a_restored_aggregator_counts_the_senders_of_its_ledger() {
+    const S: u64 = 1_000_000_000;
+    let config = AggregatorConfig {
+        outer_lr_scaling: crate::OuterLrScaling::Contributors,
+        staleness: StalenessFn::Constant,
+        tau_max: 1000,
+        ..Default::default()
+    };
+    let mut a = agg(config.clone());
+    for node in 0..4 {
+        a.handle_message(node, node, delta(node, 1, 1, 0, 32, &[1.0, 1.0]));
+    }
+    drain(&mut a);
+    let mut restored = AggregatorState::restore(&a.snapshot(), config.clone()).unwrap();
+    let before = restored.layer(1).unwrap().values[0];
+    let v = restored.layer(1).unwrap().version;
+    restored.handle_message(5 * S, 0, delta(0, 1, 2, v, 32, &[1.0, 1.0]));
+    // One of the four known senders: a quarter of its delta, not all of it.
+    let moved = restored.layer(1).unwrap().values[0] - before;
+    assert!((moved - 0.25).abs() < 1e-6, "{moved}");
 }

@@ -64,10 +64,11 @@ pub struct AggregationSection {
     /// Outer learning rate.
     #[serde(default = "default_outer_lr")]
     pub outer_lr: f32,
-    /// `fixed`: `outer_lr` as is; `contributors`: `outer_lr` times a round's share of the
-    /// nodes contributing now, so `outer_lr = 1` moves the model at the pace of their mean
-    /// whatever their number (`cpu_aggregator::contributors`).
-    #[serde(default)]
+    /// `contributors` (default): `outer_lr` times a round's share of the nodes contributing
+    /// now, so `outer_lr = 1` moves the model at the pace of their mean whatever their
+    /// number (`cpu_aggregator::contributors`); `fixed`: `outer_lr` as is (asynchronous
+    /// rounds then need `outer_lr` ≈ 1 / nodes).
+    #[serde(default = "default_outer_lr_scaling")]
     pub outer_lr_scaling: OuterLrScaling,
     /// How a round is combined: `mean` (staleness- and sample-weighted mean) or `fedbuff`
     /// (the FedBuff server rule: the round's deltas weighted by s(τ), summed, divided by
@@ -101,6 +102,9 @@ fn default_round_timeout() -> u64 {
 }
 fn default_outer_lr() -> f32 {
     1.0
+}
+fn default_outer_lr_scaling() -> OuterLrScaling {
+    OuterLrScaling::Contributors
 }
 
 impl Default for AggregationSection {

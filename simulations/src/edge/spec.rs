@@ -192,16 +192,15 @@ pub struct AggregatorsSpec {
     /// (ms, default 1000).
     #[serde(default = "default_round_timeout_ms")]
     pub round_timeout_ms: f64,
-    /// `elastic`: outer learning rate η in `θ ← θ + η Σwᵢ Δᵢ / Σwᵢ` (default 1). With
-    /// asynchronous rounds (`round_size = 1`) every node's delta is added on arrival, so
-    /// `η ≈ 1 / nodes` keeps the global model moving at the pace of one node's average progress
-    /// instead of the sum of all of them. `blocking` rounds average every node with η = 1.
+    /// `elastic`: outer learning rate η in `θ ← θ + η Σwᵢ Δᵢ / Σwᵢ` (default 1), scaled by
+    /// `outer_lr_scaling`. `blocking` rounds average every node with η = 1.
     #[serde(default = "default_outer_lr")]
     pub outer_lr: f32,
-    /// `elastic`: `fixed` (`outer_lr` as is) or `contributors` (`outer_lr` times a round's
-    /// share of the nodes contributing now: `outer_lr = 1` moves the global model at the
-    /// pace of their mean for any node count; `cpu_aggregator::contributors`).
-    #[serde(default)]
+    /// `elastic`: `contributors` (default: η times a round's share of the nodes contributing
+    /// now, so η = 1 moves the global model at the pace of their mean for any node count;
+    /// `cpu_aggregator::contributors`) or `fixed` (η as is: with asynchronous rounds every
+    /// delta is then added on arrival, and η must be about 1 / nodes).
+    #[serde(default = "default_outer_lr_scaling")]
     pub outer_lr_scaling: cpu_aggregator::OuterLrScaling,
     /// `blocking`: a round waits for every node, but at most this long after its first delta
     /// (seconds, default 60), so a crashed or departed node cannot stall it forever.
@@ -214,6 +213,9 @@ fn default_round_timeout_ms() -> f64 {
 }
 fn default_outer_lr() -> f32 {
     1.0
+}
+fn default_outer_lr_scaling() -> cpu_aggregator::OuterLrScaling {
+    cpu_aggregator::OuterLrScaling::Contributors
 }
 fn default_blocking_round_timeout_s() -> f64 {
     60.0
