@@ -429,3 +429,40 @@ fn the_divergence_monitor_sees_an_outage() {
     let err = run_edge(&bad, &digits_task(), "elastic", &mut |_| {}).unwrap_err();
     assert!(err.contains("edge.divergence.window_ms"), "{err}");
 }
+
+#[test]
+fn one_outer_learning_rate_serves_a_small_and_a_large_fleet() {
+    // The same aggregator config with 3 and 12 devices: normalized by the nodes contributing
+    // now, both learn; the same η applied as is adds 13 nodes' progress per period and does
+    // worse on the large fleet. (The `[edge.aggregators] outer_lr_scaling` key reaches the
+    // aggregators: with it ignored, the two large-fleet runs would be identical.)
+    let fleet = |devices: usize, scaling| {
+        let mut s = tiny(LOSSY, "");
+        let spec = s.edge.as_mut().unwrap();
+        spec.devices.count = devices;
+        spec.aggregators.outer_lr_scaling = scaling;
+        run(&s, "elastic").0
+    };
+    use cpu_aggregator::OuterLrScaling::{Contributors, Fixed};
+    let small = fleet(3, Contributors);
+    let large = fleet(12, Contributors);
+    let large_fixed = fleet(12, Fixed);
+    for (name, r) in [("3 devices", &small), ("12 devices", &large)] {
+        assert!(
+            r.time_to_target_s.is_some(),
+            "{name}: {:?}",
+            r.final_accuracy
+        );
+        assert!(
+            r.final_accuracy.unwrap() > 0.85,
+            "{name}: {:?}",
+            r.final_accuracy
+        );
+    }
+    assert!(
+        large.final_accuracy.unwrap() > large_fixed.final_accuracy.unwrap(),
+        "normalized {:?} vs fixed {:?}",
+        large.final_accuracy,
+        large_fixed.final_accuracy
+    );
+}
