@@ -122,6 +122,8 @@ struct Shell {
     clock: Instant,
     staleness: Vec<u64>,
     map_epoch: u64,
+    /// The layers the newest map gives us.
+    map_mine: HashSet<u32>,
     bad_peers: u64,
     resumed: bool,
     send_timeout: Duration,
@@ -214,6 +216,7 @@ pub async fn run_aggregator(
         clock: Instant::now(),
         staleness: vec![0; STALENESS_BUCKETS],
         map_epoch: 0,
+        map_mine: HashSet::new(),
         bad_peers: 0,
         resumed,
         send_timeout: Duration::from_secs(10),
@@ -646,15 +649,16 @@ impl Shell {
         producers: &[(u32, u64)],
         releasing: &[u32],
     ) {
-        if epoch < self.map_epoch {
-            return;
-        }
-        self.map_epoch = epoch;
         let mine: HashSet<u32> = owners
             .iter()
             .filter(|(_, owner)| *owner == self.id)
             .map(|(layer, _)| *layer)
             .collect();
+        if epoch < self.map_epoch {
+            return self.release_never_served(epoch, &mine);
+        }
+        self.map_epoch = epoch;
+        self.map_mine.clone_from(&mine);
         let newest: HashMap<u32, u64> = versions.iter().copied().collect();
         let producer: HashMap<u32, u64> = producers.iter().copied().collect();
         self.awaiting_handover
@@ -930,6 +934,36 @@ impl Shell {
 
     /// Takes ownership of `layers` at version 0 with the model's initial weights (built on
     /// first use).
+    /// A map older than the one we follow (the join answer and the next map travel on
+    /// separate streams, so the join answer can arrive second) gave us layers that the newer
+    /// map gives to another aggregator. We never served them, so our final version of each
+    /// is its initial weights at version 0: send that for the hand-over at once, as a
+    /// release, instead of leaving the coordinator to wait for a release that would never
+    /// come (and the new owner without the layer until its timeouts pass).
+    fn release_never_served(&mut self, epoch: u64, stale_mine: &HashSet<u32>) {
+        let mut never_served: Vec<u32> = stale_mine
+            .iter()
+            .copied()
+            .filter(|id| !self.map_mine.contains(id) && self.state.layer(*id).is_none())
+            .filter(|id| !self.awaiting_handover.contains_key(id))
+            .collect();
+        never_served.sort_unstable();
+        for layer_id in never_served {
+            self.own_from_initial(vec![layer_id]);
+            match self.state.current_version_message(layer_id) {
+                Some(Ok(initial)) => self.send_to_coordinator(initial),
+                Some(Err(e)) => {
+                    error!("[ERROR] layer {layer_id}: initial version not encoded: {e}")
+                }
+                None => continue,
+            }
+            self.state.release_layer(layer_id);
+            info!(
+                "[MAP] layer {layer_id}: given to us by the older map epoch {epoch} and moved away before we served it; initial weights sent for the hand-over"
+            );
+        }
+    }
+
     fn own_from_initial(&mut self, missing: Vec<u32>) {
         if !missing.is_empty() && !self.initial.is_built() {
             info!(
