@@ -64,7 +64,9 @@ pub struct AggregatorConfig {
     pub min_round_senders: usize,
 }
 
-/// How the outer learning rate of a [`Aggregation::WeightedMean`] round is set.
+/// How the outer learning rate of a [`Aggregation::WeightedMean`] round is set. The state
+/// machine's default is `Fixed` (its `η` is applied exactly, as tests and embedders expect);
+/// the aggregator's config file and the simulator's scenarios default to `Contributors`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OuterLrScaling {

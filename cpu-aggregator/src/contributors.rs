@@ -55,17 +55,16 @@ struct Sender {
     last_ns: Option<u64>,
     /// The last gaps between this sender's deltas, oldest first.
     gaps: Vec<u64>,
+    /// How long after its last delta it counts (from `gaps`, updated with them).
+    window_ns: u64,
 }
 
 impl Sender {
-    fn window(&self) -> u64 {
-        if self.gaps.is_empty() {
-            return MIN_WINDOW_NS;
-        }
+    fn update_window(&mut self) {
         let mut sorted = self.gaps.clone();
         sorted.sort_unstable();
-        let median = sorted[sorted.len() / 2];
-        median.saturating_mul(GAP_FACTOR).max(MIN_WINDOW_NS)
+        let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0);
+        self.window_ns = median.saturating_mul(GAP_FACTOR).max(MIN_WINDOW_NS);
     }
 }
 
@@ -78,39 +77,42 @@ pub struct Contributors {
 impl Contributors {
     /// A delta of `from` arrived at `now` (ns) and joined the layer's round.
     pub fn record(&mut self, from: NodeId, now: u64) {
-        let s = self.senders.entry(from).or_default();
+        let s = self.sender(from);
         if let Some(last) = s.last_ns {
             if s.gaps.len() == GAPS_KEPT {
                 s.gaps.remove(0);
             }
             s.gaps.push(now.saturating_sub(last));
+            s.update_window();
         }
         s.last_ns = Some(now);
-        self.senders.retain(|_, s| {
-            s.last_ns
-                .is_none_or(|t| now.saturating_sub(t) < FORGET_AFTER_NS)
-        });
     }
 
     /// `from` is known to contribute to the layer (its ledger entry survived a restart or came
     /// with a hand-over), so the first rounds after a restart are not applied as if their
     /// senders were alone; it counts for a first window from when the count is next taken.
     pub fn seed(&mut self, from: NodeId) {
-        self.senders.entry(from).or_default();
+        self.sender(from);
+    }
+
+    fn sender(&mut self, from: NodeId) -> &mut Sender {
+        self.senders.entry(from).or_insert_with(|| Sender {
+            window_ns: MIN_WINDOW_NS,
+            ..Sender::default()
+        })
     }
 
     /// The senders contributing at `now`, never fewer than `at_least` (the distinct senders
-    /// of the round being applied, who are contributing by definition).
+    /// of the round being applied, who are contributing by definition). Forgets senders
+    /// silent for [`FORGET_AFTER_NS`] (and longer than their window).
     pub fn active(&mut self, now: u64, at_least: usize) -> usize {
-        self.senders
-            .values_mut()
-            .map(|s| {
-                let last = *s.last_ns.get_or_insert(now);
-                now.saturating_sub(last) <= s.window()
-            })
-            .filter(|&active| active)
-            .count()
-            .max(at_least)
+        let mut active = 0;
+        self.senders.retain(|_, s| {
+            let silence = now.saturating_sub(*s.last_ns.get_or_insert(now));
+            active += usize::from(silence <= s.window_ns);
+            silence < FORGET_AFTER_NS.max(s.window_ns)
+        });
+        active.max(at_least)
     }
 }
 
@@ -174,6 +176,7 @@ mod tests {
         assert_eq!(c.active(MIN_WINDOW_NS, 0), 1);
         assert_eq!(c.active(MIN_WINDOW_NS + 1, 0), 0);
         c.record(2, FORGET_AFTER_NS + 10);
+        assert_eq!(c.active(FORGET_AFTER_NS + 10, 0), 1);
         assert_eq!(c.senders.len(), 1);
         // Seeded from a ledger: counted from when the count is next taken, for one window.
         c.seed(3);
