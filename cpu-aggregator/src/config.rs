@@ -37,7 +37,9 @@ pub struct AggregatorConfig {
     /// Staleness discount `s(τ)` in the weights `wᵢ = nᵢ·s(τᵢ)`.
     pub staleness: StalenessFn,
     /// Deltas whose base is more than `tau_max` versions behind are dropped and the sender
-    /// is told to re-sync.
+    /// is told to re-sync. With [`OuterLrScaling::Contributors`] (weighted-mean rounds) the
+    /// bound counts the fleet's periods instead: `tau_max · N_active / round_size` versions,
+    /// never fewer than `tau_max`.
     pub tau_max: u64,
     /// Outer learning rate `η` in `θ ← θ + η · Σ wᵢΔᵢ / Σ wᵢ`.
     pub outer_lr: f32,

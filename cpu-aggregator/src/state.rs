@@ -16,7 +16,9 @@
 //!    [`AggEvent::DuplicateRejected`]. A `seq` already waiting in the open round is also a
 //!    duplicate, but gets no ack yet — the ack follows when the round is applied;
 //! 3. staleness `τ = version − base_version`: a base in the future gets
-//!    `Resync { UnknownBaseVersion }`, `τ > τ_max` gets `Resync { TooStale }` (plus, by
+//!    `Resync { UnknownBaseVersion }`, `τ > τ_max` gets `Resync { TooStale }` (`τ_max` in
+//!    versions; scaled by the nodes contributing now under
+//!    [`OuterLrScaling::Contributors`], see `AggregatorState::max_staleness`) (plus, by
 //!    default, the current [`LayerVersion`] so the node can rebase at once), both reported
 //!    as [`AggEvent::DroppedStale`]. The resync names the refused delta's seq
 //!    (`refused_seq`), so the node drops that delta and no other;
@@ -555,12 +557,13 @@ impl AggregatorState {
         }
 
         let version = layer.version;
+        let max_staleness = self.max_staleness(li, now);
         let stale = if p.base_version > version {
             Some(ResyncReason::UnknownBaseVersion)
-        } else if version - p.base_version > self.config.tau_max {
+        } else if version - p.base_version > max_staleness {
             Some(ResyncReason::TooStale {
                 staleness: version - p.base_version,
-                max_staleness: self.config.tau_max,
+                max_staleness,
             })
         } else {
             None
@@ -846,6 +849,27 @@ impl AggregatorState {
             self.index.insert(layer.layer_id, i);
         }
         true
+    }
+
+    /// The most versions a delta of layer index `li` may be behind at `now`.
+    ///
+    /// With [`OuterLrScaling::Contributors`] (and weighted-mean rounds) `tau_max` counts the
+    /// fleet's periods, not versions: `N_active` nodes with rounds of `round_size` senders
+    /// advance a layer by about `N_active / round_size` versions per period, so the bound
+    /// in versions is `tau_max · N_active / round_size` (never below `tau_max`). A fixed
+    /// bound in versions refuses ever more of the fleet's deltas as it grows: with 33
+    /// trainers and `round_size = 1`, `tau_max = 16` versions is half a period, and a real
+    /// 32-edge cluster refused more deltas (665) than it applied (506).
+    fn max_staleness(&mut self, li: usize, now: u64) -> u64 {
+        let tau_max = self.config.tau_max;
+        if self.config.outer_lr_scaling != OuterLrScaling::Contributors
+            || self.config.aggregation != Aggregation::WeightedMean
+        {
+            return tau_max;
+        }
+        let active = self.layers[li].contributors.active(now, 1) as u64;
+        let round = self.config.round_size.max(1) as u64;
+        tau_max.saturating_mul(active).div_ceil(round).max(tau_max)
     }
 
     /// Applies the open round of layer index `li` (a no-op when it is empty):

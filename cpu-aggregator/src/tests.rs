@@ -785,3 +785,58 @@ fn a_restored_aggregator_counts_the_senders_of_its_ledger() {
     let moved = restored.layer(1).unwrap().values[0] - before;
     assert!((moved - 0.25).abs() < 1e-6, "{moved}");
 }
+
+#[test]
+fn with_contributor_scaling_tau_max_counts_the_fleets_periods_not_versions() {
+    const S: u64 = 1_000_000_000;
+    let config = |outer_lr_scaling| AggregatorConfig {
+        outer_lr_scaling,
+        tau_max: 2,
+        ..Default::default()
+    };
+    // 8 nodes each send one delta of layer 1 per period from the version at the period's
+    // start, so the k-th sender is k versions behind: less than one period of the fleet. A
+    // fixed `tau_max = 2` versions refuses 5 of every 8 deltas; counted in periods
+    // (2 · 8 nodes / round_size 1 = 16 versions) none is refused.
+    let run = |outer_lr_scaling| {
+        let mut a = agg(config(outer_lr_scaling));
+        for period in 1..=6u64 {
+            let base = a.layer(1).unwrap().version;
+            for node in 0..8 {
+                a.handle_message(
+                    period * 2 * S + node,
+                    node,
+                    delta(node, 1, period, base, 1, &[0.5; 2]),
+                );
+                drain(&mut a);
+            }
+        }
+        a.counters().dropped_stale
+    };
+    assert_eq!(run(crate::OuterLrScaling::Fixed), 6 * 5);
+    assert_eq!(run(crate::OuterLrScaling::Contributors), 0);
+    // The bound still holds: a delta 17 versions behind (more than 2 periods of 8) is refused,
+    // and the resync names the bound in versions.
+    let mut a = agg(config(crate::OuterLrScaling::Contributors));
+    for seq in 1..=3u64 {
+        for node in 0..8 {
+            let base = a.layer(1).unwrap().version;
+            a.handle_message(
+                seq * 2 * S + node,
+                node,
+                delta(node, 1, seq, base, 1, &[0.5; 2]),
+            );
+            drain(&mut a);
+        }
+    }
+    assert_eq!(a.layer(1).unwrap().version, 24);
+    a.handle_message(7 * S, 3, delta(3, 1, 4, 7, 1, &[0.5; 2]));
+    let outs = drain(&mut a);
+    assert!(
+        outs.iter().any(
+            |o| matches!(o, Output::Send { to: 3, msg: Message::Resync(r) }
+            if r.reason == ResyncReason::TooStale { staleness: 17, max_staleness: 16 })
+        ),
+        "{outs:?}"
+    );
+}
