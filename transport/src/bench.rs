@@ -122,8 +122,13 @@ pub async fn bench_transport_vs_raw(params: &BenchParams) -> Result<BenchResult,
     let from_sender = accepted.ok_or(TransportError::Closed)??;
 
     // Raw quinn with the same TLS and transport settings.
-    let raw_server_configs = quinn_configs(receiver_identity.load()?, &config)?;
-    let raw_client_configs = quinn_configs(sender_identity.load()?, &config)?;
+    let raw_server_configs = quinn_configs(
+        receiver_identity.load()?,
+        &receiver_identity.ca_cert,
+        &config,
+    )?;
+    let raw_client_configs =
+        quinn_configs(sender_identity.load()?, &sender_identity.ca_cert, &config)?;
     let bind_error = |source| TransportError::Io {
         action: "bind",
         addr: Some(localhost),

@@ -18,6 +18,7 @@
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
@@ -25,6 +26,7 @@ use rcgen::{
 };
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use time::OffsetDateTime;
 
 pub use crate::error::CertError;
 
@@ -34,6 +36,8 @@ pub const CA_CERT_FILE: &str = "ca.pem";
 pub const CA_KEY_FILE: &str = "ca.key";
 /// Common name of the cluster CA, followed by a fingerprint of its key.
 pub const CA_COMMON_NAME: &str = "dreamddp cluster CA";
+/// How long a new node certificate is valid unless told otherwise (one year).
+pub const DEFAULT_CERT_LIFETIME: Duration = Duration::from_secs(365 * 24 * 3600);
 /// Longest node name accepted (a DNS label).
 pub const MAX_NODE_NAME_LEN: usize = 63;
 
@@ -74,6 +78,20 @@ pub fn validate_node_name(name: &str) -> Result<(), CertError> {
 ///
 /// Returns every path written (the CA's two files only when they were created).
 pub fn create_cluster_certs(dir: &Path, node_names: &[String]) -> Result<Vec<PathBuf>, CertError> {
+    create_cluster_certs_valid_for(dir, node_names, DEFAULT_CERT_LIFETIME)
+}
+
+/// [`create_cluster_certs`] with node certificates valid from an hour ago (clock skew) for
+/// `lifetime` from now. An expired certificate is refused by every peer, and a node whose
+/// own certificate has expired says so at start ([`CertError::Expired`]).
+pub fn create_cluster_certs_valid_for(
+    dir: &Path,
+    node_names: &[String],
+    lifetime: Duration,
+) -> Result<Vec<PathBuf>, CertError> {
+    if lifetime.is_zero() {
+        return Err(CertError::ZeroLifetime);
+    }
     for name in node_names {
         validate_node_name(name)?;
     }
@@ -86,7 +104,7 @@ pub fn create_cluster_certs(dir: &Path, node_names: &[String]) -> Result<Vec<Pat
     let issuer = load_or_create_ca(dir, &mut written)?;
     for name in node_names {
         let key = KeyPair::generate()?;
-        let cert = node_params(name)?.signed_by(&key, &issuer)?;
+        let cert = node_params(name, lifetime)?.signed_by(&key, &issuer)?;
         let cert_path = dir.join(format!("{name}.pem"));
         let key_path = dir.join(format!("{name}.key"));
         write_file(&key_path, key.serialize_pem().as_bytes(), true)?;
@@ -124,8 +142,12 @@ fn ca_params(key: &KeyPair) -> CertificateParams {
 }
 
 /// Certificate parameters of a node: usable as TLS server and client.
-fn node_params(name: &str) -> Result<CertificateParams, CertError> {
+fn node_params(name: &str, lifetime: Duration) -> Result<CertificateParams, CertError> {
     let mut params = CertificateParams::new(vec![name.to_string(), "localhost".to_string()])?;
+    let now = OffsetDateTime::now_utc();
+    params.not_before = now - time::Duration::hours(1);
+    let lifetime = time::Duration::try_from(lifetime).unwrap_or(time::Duration::MAX);
+    params.not_after = now.checked_add(lifetime).unwrap_or(params.not_after);
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, name);
     params.distinguished_name = dn;
@@ -149,30 +171,7 @@ fn load_or_create_ca(
     let hint = "move ca.pem and ca.key away to create a new CA (every node then needs new \
                 certificates)";
     match (cert_path.exists(), key_path.exists()) {
-        (true, true) => {
-            let key_pem = read_text(&key_path, "CA private key")?;
-            let key = KeyPair::from_pem(&key_pem).map_err(|e| CertError::Parse {
-                what: "CA private key",
-                path: key_path.clone(),
-                reason: e.to_string(),
-                hint: hint.to_string(),
-            })?;
-            let cert_pem = read_text(&cert_path, "CA certificate")?;
-            let parse_error = |reason: String| CertError::Parse {
-                what: "CA certificate",
-                path: cert_path.clone(),
-                reason,
-                hint: hint.to_string(),
-            };
-            let der = CertificateDer::from_pem_slice(cert_pem.as_bytes())
-                .map_err(|e| parse_error(e.to_string()))?;
-            if !spki_matches(&der, &key) {
-                return Err(parse_error(
-                    "its public key does not belong to ca.key".to_string(),
-                ));
-            }
-            Issuer::from_ca_cert_der(&der, key).map_err(|e| parse_error(e.to_string()))
-        }
+        (true, true) => load_existing_ca(&cert_path, &key_path, hint),
         (false, false) => {
             let key = KeyPair::generate()?;
             let params = ca_params(&key);
@@ -192,6 +191,61 @@ fn load_or_create_ca(
             absent: cert_path,
         }),
     }
+}
+
+/// The existing cluster CA in `dir` (for signing a revocation list): an error naming the
+/// missing file when it is not there.
+pub(crate) fn load_ca_issuer(dir: &Path) -> Result<Issuer<'static, KeyPair>, CertError> {
+    let cert_path = dir.join(CA_CERT_FILE);
+    let key_path = dir.join(CA_KEY_FILE);
+    for (path, what) in [
+        (&cert_path, "CA certificate"),
+        (&key_path, "CA private key"),
+    ] {
+        if !path.exists() {
+            return Err(CertError::Missing {
+                what,
+                path: path.clone(),
+                hint: "revoking needs the cluster CA that signed the nodes' certificates \
+                       (run on the operator's machine that holds ca.pem and ca.key)"
+                    .to_string(),
+            });
+        }
+    }
+    load_existing_ca(
+        &cert_path,
+        &key_path,
+        "restore the cluster CA's files from a backup",
+    )
+}
+
+fn load_existing_ca(
+    cert_path: &Path,
+    key_path: &Path,
+    hint: &str,
+) -> Result<Issuer<'static, KeyPair>, CertError> {
+    let key_pem = read_text(key_path, "CA private key")?;
+    let key = KeyPair::from_pem(&key_pem).map_err(|e| CertError::Parse {
+        what: "CA private key",
+        path: key_path.to_path_buf(),
+        reason: e.to_string(),
+        hint: hint.to_string(),
+    })?;
+    let cert_pem = read_text(cert_path, "CA certificate")?;
+    let parse_error = |reason: String| CertError::Parse {
+        what: "CA certificate",
+        path: cert_path.to_path_buf(),
+        reason,
+        hint: hint.to_string(),
+    };
+    let der = CertificateDer::from_pem_slice(cert_pem.as_bytes())
+        .map_err(|e| parse_error(e.to_string()))?;
+    if !spki_matches(&der, &key) {
+        return Err(parse_error(
+            "its public key does not belong to ca.key".to_string(),
+        ));
+    }
+    Issuer::from_ca_cert_der(&der, key).map_err(|e| parse_error(e.to_string()))
 }
 
 /// Whether the certificate's subject public key is `key`'s public key.
@@ -225,7 +279,7 @@ fn read_text(path: &Path, what: &'static str) -> Result<String, CertError> {
 
 /// Write `bytes` to `path` through a temporary file and a rename, so a crash
 /// never leaves half a key; `secret` files get mode 0600 on unix.
-fn write_file(path: &Path, bytes: &[u8], secret: bool) -> Result<(), CertError> {
+pub(crate) fn write_file(path: &Path, bytes: &[u8], secret: bool) -> Result<(), CertError> {
     let io_error = |action, source| CertError::Io {
         action,
         path: path.to_path_buf(),
@@ -312,6 +366,7 @@ impl TlsIdentity {
     pub(crate) fn load(&self) -> Result<LoadedIdentity, CertError> {
         let ca_certs = self.load_certs(&self.ca_cert, "CA certificate")?;
         let cert_chain = self.load_certs(&self.cert, "node certificate")?;
+        self.check_validity(&cert_chain[0])?;
         let bytes = self.read(&self.key, "node private key")?;
         let key = PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| CertError::Parse {
             what: "node private key",
@@ -341,6 +396,33 @@ impl TlsIdentity {
                     source,
                 }
             }
+        })
+    }
+
+    /// An expired (or not yet valid) own certificate is an error at start, not a stream of
+    /// refusals from every peer.
+    fn check_validity(&self, cert: &CertificateDer<'_>) -> Result<(), CertError> {
+        let Ok((_, parsed)) = x509_parser::parse_x509_certificate(cert) else {
+            return Ok(()); // rustls reports a malformed certificate when it is used
+        };
+        let validity = parsed.validity();
+        let now = x509_parser::time::ASN1Time::now();
+        let (state, when) = if now > validity.not_after {
+            ("expired", validity.not_after)
+        } else if now < validity.not_before {
+            ("is not valid yet", validity.not_before)
+        } else {
+            return Ok(());
+        };
+        Err(CertError::Expired {
+            path: self.cert.clone(),
+            state,
+            when: when.to_rfc2822().unwrap_or_else(|_| when.to_string()),
+            hint: format!(
+                "{} (with `--days N` for its lifetime); check this machine's clock",
+                self.hint()
+                    .replace(" to create it", " to give it a new one")
+            ),
         })
     }
 
@@ -379,6 +461,34 @@ mod tests {
 
     fn names(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn certificates_carry_their_lifetime_and_an_expired_one_is_named_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let lifetime = Duration::from_secs(30 * 24 * 3600);
+        create_cluster_certs_valid_for(dir.path(), &names(&["n1"]), lifetime).unwrap();
+        let loaded = TlsIdentity::in_dir(dir.path(), "n1").load().unwrap();
+        let (_, parsed) = x509_parser::parse_x509_certificate(&loaded.cert_chain[0]).unwrap();
+        let validity = parsed.validity();
+        let span = validity.not_after.timestamp() - validity.not_before.timestamp();
+        assert_eq!(span, 30 * 24 * 3600 + 3600, "30 days from now, valid from an hour ago");
+        let err = create_cluster_certs_valid_for(dir.path(), &names(&["n1"]), Duration::ZERO)
+            .unwrap_err();
+        assert!(matches!(err, CertError::ZeroLifetime), "{err}");
+
+        // A certificate that expired yesterday, signed by the cluster CA.
+        let issuer = load_ca_issuer(dir.path()).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let mut params = node_params("n1", lifetime).unwrap();
+        params.not_before = OffsetDateTime::now_utc() - time::Duration::days(2);
+        params.not_after = OffsetDateTime::now_utc() - time::Duration::days(1);
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        fs::write(dir.path().join("n1.pem"), cert.pem()).unwrap();
+        fs::write(dir.path().join("n1.key"), key.serialize_pem()).unwrap();
+        let err = TlsIdentity::in_dir(dir.path(), "n1").check().unwrap_err();
+        assert!(matches!(err, CertError::Expired { state: "expired", .. }), "{err}");
+        assert!(err.to_string().contains("--nodes n1"), "{err}");
     }
 
     #[test]

@@ -69,6 +69,23 @@ pub enum CertError {
         /// The CA file that is missing.
         absent: PathBuf,
     },
+    /// A certificate lifetime of zero was asked for.
+    #[error(
+        "a certificate lifetime of 0 days makes certificates that are never valid; give at least 1"
+    )]
+    ZeroLifetime,
+    /// This node's own certificate is outside its validity period.
+    #[error("node certificate {path} {state} ({when}); every peer refuses it: {hint}")]
+    Expired {
+        /// The certificate file.
+        path: PathBuf,
+        /// "expired" or "is not valid yet".
+        state: &'static str,
+        /// Its `notAfter` or `notBefore`, as RFC 2822.
+        when: String,
+        /// What to do about it.
+        hint: String,
+    },
     /// rcgen could not generate a key or sign a certificate.
     #[error("certificate generation failed: {0}")]
     Generate(#[from] rcgen::Error),

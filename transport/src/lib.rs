@@ -9,6 +9,8 @@
 //!
 //! * [`certs`] — the cluster CA and node certificates ([`create_cluster_certs`],
 //!   [`TlsIdentity`]).
+//! * [`revocation`] — revoking node certificates while the cluster runs
+//!   ([`revoke_nodes`], `revoked.crl`, re-read by every accepting node).
 //! * [`config`] — [`TransportConfig`] (timeouts, flow-control windows, message limit).
 //! * [`node`] — [`QuicNode`]: bind, connect, accept, close.
 //! * [`connection`] — [`PeerConnection`]: send, recv, close, byte counters.
@@ -25,15 +27,20 @@ pub mod config;
 pub mod connection;
 pub mod error;
 pub mod node;
+pub mod revocation;
 pub mod tls;
 
 #[cfg(test)]
 mod test_support;
 
 pub use bench::{bench_transport_vs_raw, BenchParams, BenchResult};
-pub use certs::{create_cluster_certs, validate_node_name, TlsIdentity};
+pub use certs::{
+    create_cluster_certs, create_cluster_certs_valid_for, validate_node_name, TlsIdentity,
+    DEFAULT_CERT_LIFETIME,
+};
 pub use config::{Congestion, TransportConfig};
 pub use connection::PeerConnection;
 pub use error::{CertError, TransportError};
 pub use node::QuicNode;
+pub use revocation::{revoke_nodes, CLOSE_CODE_REVOKED, REVOKED_FILE};
 pub use tls::ALPN;

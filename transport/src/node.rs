@@ -10,6 +10,7 @@
 //! connection die a moment later.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use quinn::VarInt;
@@ -20,7 +21,9 @@ use crate::certs::TlsIdentity;
 use crate::config::TransportConfig;
 use crate::connection::{PeerConnection, CLOSE_CODE_NORMAL};
 use crate::error::TransportError;
+use crate::revocation::{Revocations, CHECK_EVERY, CLOSE_CODE_REVOKED};
 use crate::tls::{peer_common_name, quinn_configs};
+use rustls_pki_types::CertificateDer;
 
 /// Bytes a client sends on the check stream right after the handshake.
 pub const CHECK_REQUEST: &[u8] = b"dreamddp/3 hello";
@@ -39,7 +42,12 @@ pub struct QuicNode {
     config: TransportConfig,
     accepted: Mutex<mpsc::Receiver<Result<PeerConnection, TransportError>>>,
     acceptor: AbortHandle,
+    /// Re-reads the revocation list and closes revoked peers' connections.
+    revocation_watcher: AbortHandle,
 }
+
+/// The connections this node accepted that are still open (the ones a revocation closes).
+type LiveConnections = Arc<std::sync::Mutex<Vec<quinn::Connection>>>;
 
 impl std::fmt::Debug for QuicNode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -53,6 +61,7 @@ impl std::fmt::Debug for QuicNode {
 impl Drop for QuicNode {
     fn drop(&mut self) {
         self.acceptor.abort();
+        self.revocation_watcher.abort();
     }
 }
 
@@ -65,7 +74,7 @@ impl QuicNode {
         config: &TransportConfig,
     ) -> Result<QuicNode, TransportError> {
         config.validate()?;
-        let configs = quinn_configs(identity.load()?, config)?;
+        let configs = quinn_configs(identity.load()?, &identity.ca_cert, config)?;
         let mut endpoint =
             quinn::Endpoint::server(configs.server, addr).map_err(|source| TransportError::Io {
                 action: "bind",
@@ -74,12 +83,20 @@ impl QuicNode {
             })?;
         endpoint.set_default_client_config(configs.client);
         let (sender, receiver) = mpsc::channel(ACCEPT_QUEUE);
-        let acceptor = tokio::spawn(accept_connections(endpoint.clone(), config.clone(), sender));
+        let live = LiveConnections::default();
+        let acceptor = tokio::spawn(accept_connections(
+            endpoint.clone(),
+            config.clone(),
+            sender,
+            live.clone(),
+        ));
+        let revocation_watcher = tokio::spawn(watch_revocations(configs.revocations, live));
         Ok(QuicNode {
             endpoint,
             config: config.clone(),
             accepted: Mutex::new(receiver),
             acceptor: acceptor.abort_handle(),
+            revocation_watcher: revocation_watcher.abort_handle(),
         })
     }
 
@@ -202,15 +219,17 @@ async fn accept_connections(
     endpoint: quinn::Endpoint,
     config: TransportConfig,
     sender: mpsc::Sender<Result<PeerConnection, TransportError>>,
+    live: LiveConnections,
 ) {
     let mut handshakes = JoinSet::new();
     while let Some(incoming) = endpoint.accept().await {
         while handshakes.try_join_next().is_some() {}
         let sender = sender.clone();
         let config = config.clone();
+        let live = live.clone();
         handshakes.spawn(async move {
             let peer = incoming.remote_address();
-            let result = handshake(incoming, &config).await;
+            let result = handshake(incoming, &config, &live).await;
             if let Err(error) = &result {
                 let reason = match error {
                     TransportError::Refused { reason, .. } => reason.clone(),
@@ -228,6 +247,7 @@ async fn accept_connections(
 async fn handshake(
     incoming: quinn::Incoming,
     config: &TransportConfig,
+    live: &LiveConnections,
 ) -> Result<PeerConnection, TransportError> {
     let peer = incoming.remote_address();
     let refused = |reason: String| TransportError::Refused { peer, reason };
@@ -247,7 +267,58 @@ async fn handshake(
         return Err(refused("the client certificate has no common name".into()));
     };
     tracing::debug!(peer = %peer_name, addr = %peer, "accepted");
+    if let Ok(mut live) = live.lock() {
+        live.retain(|c| c.close_reason().is_none());
+        live.push(connection.clone());
+    }
     Ok(PeerConnection::start(connection, peer_name, config))
+}
+
+/// Re-read the revocation list every [`CHECK_EVERY`]; when a new one is in force, close the
+/// accepted connections whose peer certificate it lists. A bad list is reported once per
+/// distinct error and the previous one stays in force.
+async fn watch_revocations(revocations: Arc<Revocations>, live: LiveConnections) {
+    let mut last_error: Option<String> = None;
+    loop {
+        tokio::time::sleep(CHECK_EVERY).await;
+        match revocations.reload() {
+            Ok(false) => {}
+            Ok(true) => {
+                last_error = None;
+                let open: Vec<quinn::Connection> = match live.lock() {
+                    Ok(mut live) => {
+                        live.retain(|c| c.close_reason().is_none());
+                        live.clone()
+                    }
+                    Err(_) => Vec::new(),
+                };
+                for connection in open {
+                    let revoked = connection
+                        .peer_identity()
+                        .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
+                        .and_then(|chain| chain.first().map(|c| revocations.is_revoked(c)))
+                        .unwrap_or(false);
+                    if revoked {
+                        let name = peer_common_name(&connection).unwrap_or_default();
+                        tracing::warn!(
+                            "[WARN] peer={name} addr={} certificate revoked: connection closed, \
+                             new connections refused",
+                            connection.remote_address()
+                        );
+                        connection
+                            .close(VarInt::from_u32(CLOSE_CODE_REVOKED), b"certificate revoked");
+                    }
+                }
+            }
+            Err(e) => {
+                let text = e.to_string();
+                if last_error.as_deref() != Some(text.as_str()) {
+                    tracing::warn!("[WARN] revocation list not applied, the previous one stays in force: {text}");
+                    last_error = Some(text);
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

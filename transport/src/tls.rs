@@ -4,8 +4,10 @@
 //!
 //! Both sides trust only the cluster CA: the server requires a client
 //! certificate signed by it (`WebPkiClientVerifier`), the client checks the
-//! server's certificate against it and the node name it dialed.
+//! server's certificate against it and the node name it dialed. The server's verifier also
+//! enforces the cluster's revocation list (`crate::revocation`).
 
+use std::path::Path;
 use std::sync::Arc;
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
@@ -17,6 +19,7 @@ use rustls_pki_types::CertificateDer;
 use crate::certs::{common_name, LoadedIdentity};
 use crate::config::TransportConfig;
 use crate::error::TransportError;
+use crate::revocation::{RevocationAwareVerifier, Revocations};
 
 /// ALPN protocol id of dreamddp's wire protocol.
 pub const ALPN: &[u8] = b"dreamddp/3";
@@ -25,6 +28,8 @@ pub const ALPN: &[u8] = b"dreamddp/3";
 pub(crate) struct QuinnConfigs {
     pub(crate) server: quinn::ServerConfig,
     pub(crate) client: quinn::ClientConfig,
+    /// The revocation list the server's verifier enforces (re-read by [`crate::QuicNode`]).
+    pub(crate) revocations: Arc<Revocations>,
 }
 
 fn tls_error(context: &str, error: impl std::fmt::Display) -> TransportError {
@@ -35,11 +40,12 @@ fn tls_error(context: &str, error: impl std::fmt::Display) -> TransportError {
 /// client certificates required, the given transport settings on both.
 pub(crate) fn quinn_configs(
     identity: LoadedIdentity,
+    ca_cert: &Path,
     config: &TransportConfig,
 ) -> Result<QuinnConfigs, TransportError> {
     let provider: Arc<CryptoProvider> = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = RootCertStore::empty();
-    for ca in identity.ca_certs {
+    for ca in identity.ca_certs.clone() {
         roots
             .add(ca)
             .map_err(|e| tls_error("the CA certificate is not a valid trust anchor", e))?;
@@ -50,6 +56,13 @@ pub(crate) fn quinn_configs(
     let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
         .build()
         .map_err(|e| tls_error("cannot build the client certificate verifier", e))?;
+    let revocations = Revocations::load(
+        ca_cert,
+        identity.ca_certs.clone(),
+        roots.clone(),
+        provider.clone(),
+    )?;
+    let verifier = Arc::new(RevocationAwareVerifier::new(verifier, revocations.clone()));
     let mut server_tls = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| tls_error("TLS 1.3 unavailable", e))?
@@ -57,6 +70,10 @@ pub(crate) fn quinn_configs(
         .with_single_cert(identity.cert_chain.clone(), identity.key.clone_key())
         .map_err(|e| tls_error("the node certificate does not match its key", e))?;
     server_tls.alpn_protocols = vec![ALPN.to_vec()];
+    // No session resumption: a resumed TLS 1.3 session skips the client-certificate check,
+    // so a node revoked after its first handshake could come back on its ticket.
+    server_tls.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    server_tls.send_tls13_tickets = 0;
     let server_crypto = QuicServerConfig::try_from(server_tls)
         .map_err(|e| tls_error("server config unusable for QUIC", e))?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
@@ -74,7 +91,11 @@ pub(crate) fn quinn_configs(
     let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
     client.transport_config(transport);
 
-    Ok(QuinnConfigs { server, client })
+    Ok(QuinnConfigs {
+        server,
+        client,
+        revocations,
+    })
 }
 
 /// The CN of the certificate the peer presented (verified by the handshake).
