@@ -25,7 +25,9 @@ use serde::Serialize;
 use tokio::process::{Child, Command};
 use transport::config::TransportSection;
 
-use crate::cluster_file::{edge_transport, validate, ChaosEvent, ClusterFile, EdgeRelay};
+use crate::cluster_file::{
+    edge_transport, validate, ChaosEvent, ClusterFile, EdgeRelay, RevokeEvent,
+};
 use crate::cluster_health;
 pub use crate::cluster_summary::{print_table, ClusterSummary, GlobalPoint, NodeSummary};
 use crate::global_model::{read_global, ShardSource};
@@ -271,7 +273,11 @@ async fn run_cluster(
     all_names.extend(file.aggregators.iter().map(|a| a.name.clone()));
     all_names.extend(file.workers.iter().map(|w| w.name.clone()));
     all_names.extend(file.edges.iter().map(|e| e.name.clone()));
-    transport::create_cluster_certs(&certs_dir, &all_names)?;
+    transport::create_cluster_certs_valid_for(
+        &certs_dir,
+        &all_names,
+        Duration::from_secs(u64::from(file.cluster.cert_lifetime_days) * 86_400),
+    )?;
 
     let model = file.model.resolved().map_err(anyhow::Error::msg)?;
     let task = model.load_task().map_err(anyhow::Error::msg)?;
@@ -512,6 +518,9 @@ async fn run_cluster(
     let mut chaos: Vec<(ChaosEvent, bool)> =
         file.chaos.iter().map(|c| (c.clone(), false)).collect();
     chaos.sort_by(|a, b| a.0.at_s.total_cmp(&b.0.at_s));
+    let mut revocations: Vec<(RevokeEvent, bool)> =
+        file.revoke.iter().map(|r| (r.clone(), false)).collect();
+    let mut revoked_at: BTreeMap<String, f64> = BTreeMap::new();
     let mut restarts: Vec<(Instant, String)> = Vec::new();
     let timeout = Duration::from_secs(file.cluster.timeout_s);
     let mut exits: BTreeMap<String, String> = BTreeMap::new();
@@ -591,6 +600,19 @@ async fn run_cluster(
             late_starts.clear();
             restarts.clear();
             break;
+        }
+        for (event, done) in revocations.iter_mut() {
+            if *done || elapsed < event.at_s {
+                continue;
+            }
+            *done = true;
+            tracing::warn!(
+                "[CHAOS] revoking the certificate of {} at {:.1} s",
+                event.node,
+                elapsed
+            );
+            transport::revoke_nodes(&certs_dir, std::slice::from_ref(&event.node))?;
+            revoked_at.insert(event.node.clone(), elapsed);
         }
         for (event, done) in chaos.iter_mut() {
             if *done || elapsed < event.at_s {
@@ -748,6 +770,7 @@ async fn run_cluster(
             local_accuracy: None,
             undelivered: None,
             undelivered_from_disk: false,
+            revoked_at_s: None,
             lost: cluster_health::lost_reason(&exit),
             kills: p.kills,
             exit,
@@ -821,6 +844,7 @@ async fn run_cluster(
             local_accuracy: stats["final_accuracy"].as_f64(),
             undelivered,
             undelivered_from_disk,
+            revoked_at_s: revoked_at.get(&p.name).copied(),
             lost: cluster_health::lost_reason(&exit),
             kills: p.kills,
             exit,
@@ -834,6 +858,7 @@ async fn run_cluster(
     let mut problems = cluster_health::problems(
         &nodes
             .iter()
+            .filter(|n| n.revoked_at_s.is_none())
             .map(|n| cluster_health::NodeOutcome {
                 name: &n.name,
                 role: &n.role,
@@ -852,7 +877,18 @@ async fn run_cluster(
     // applied in its rolled-back branch and re-applied by the layer's next owner is counted
     // although the surviving history holds it once. Only without such a restart is a ledger
     // duplicate certainly a delta applied twice.
-    let mut warnings = Vec::new();
+    let mut warnings: Vec<String> = nodes
+        .iter()
+        .filter_map(|n| {
+            let at = n.revoked_at_s?;
+            Some(format!(
+                "{}'s certificate was revoked at {at:.1} s ([[revoke]]): {} deltas left in its cache, exit {}",
+                n.name,
+                n.undelivered.map_or("unknown".to_string(), |u| u.to_string()),
+                n.exit
+            ))
+        })
+        .collect();
     if ledger_duplicates > 0 {
         let restarted = nodes.iter().any(|n| n.role == "aggregator" && n.kills > 0);
         let line = format!(

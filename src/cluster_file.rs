@@ -41,6 +41,9 @@ pub struct ClusterFile {
     /// Processes to `kill -9` and restart.
     #[serde(default)]
     pub chaos: Vec<ChaosEvent>,
+    /// Certificates to revoke while the cluster trains (`[[revoke]]`).
+    #[serde(default)]
+    pub revoke: Vec<RevokeEvent>,
     /// The coordinator's divergence monitor (`coordinator::DivergenceConfig`).
     #[serde(default)]
     pub divergence: coordinator::DivergenceConfig,
@@ -70,6 +73,13 @@ pub struct ClusterSection {
     /// into `summary.json`'s `series` (absent: only at the end).
     #[serde(default)]
     pub eval_every_s: Option<f64>,
+    /// Lifetime of the node certificates the launcher creates, days.
+    #[serde(default = "default_cert_lifetime_days")]
+    pub cert_lifetime_days: u32,
+}
+
+fn default_cert_lifetime_days() -> u32 {
+    365
 }
 
 fn default_credentials() -> String {
@@ -276,6 +286,18 @@ pub struct ChaosEvent {
     pub restart: bool,
 }
 
+/// `[[revoke]]`: revoke a trainer's certificate `at_s` seconds after the trainers started, as
+/// `dreamddp certs --revoke NAME` would (the coordinator and every aggregator refuse it from
+/// then on; what it still holds is reported, not counted as a problem).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RevokeEvent {
+    /// Worker or edge name.
+    pub node: String,
+    /// When, seconds after the trainers started.
+    pub at_s: f64,
+}
+
 fn default_restart() -> bool {
     true
 }
@@ -312,6 +334,26 @@ pub fn validate(file: &ClusterFile) -> Result<()> {
                 c.kill
             );
         }
+    }
+    for r in &file.revoke {
+        let trainer = file.workers.iter().any(|w| w.name == r.node)
+            || file.edges.iter().any(|e| e.name == r.node);
+        if !trainer {
+            bail!(
+                "[[revoke]] node = {:?}: no worker or edge has that name",
+                r.node
+            );
+        }
+        if !(r.at_s.is_finite() && r.at_s >= 0.0) {
+            bail!(
+                "[[revoke]] {}: at_s = {}: must be seconds >= 0",
+                r.node,
+                r.at_s
+            );
+        }
+    }
+    if file.cluster.cert_lifetime_days == 0 {
+        bail!("[cluster] cert_lifetime_days = 0: certificates must be valid for at least 1 day");
     }
     for e in &file.edges {
         if let Some(p) = &e.pace {

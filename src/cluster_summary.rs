@@ -32,6 +32,10 @@ pub struct NodeSummary {
     pub undelivered_from_disk: bool,
     /// Why the node counts as lost (it died or failed outside the chaos plan), if it does.
     pub lost: Option<String>,
+    /// When its certificate was revoked by `[[revoke]]` (seconds after the trainers
+    /// started): it is then expected to end cut off, with its deltas still cached.
+    #[serde(default)]
+    pub revoked_at_s: Option<f64>,
     /// Times it was killed with SIGKILL and restarted.
     pub kills: u32,
     /// Exit status of its last run.

@@ -3,6 +3,7 @@
 //! (errors name the bad key) and runs the role's library entry point.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -28,8 +29,16 @@ pub struct CertsArgs {
     #[arg(long, default_value = "certs")]
     pub dir: PathBuf,
     /// Node names (comma-separated); each gets `<name>.pem` and `<name>.key`.
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',', required_unless_present = "revoke")]
     pub nodes: Vec<String>,
+    /// Lifetime of the new node certificates, days.
+    #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u32).range(1..))]
+    pub days: u32,
+    /// Revoke these nodes' certificates (comma-separated): they are added to the CA-signed
+    /// `revoked.crl`, which running coordinators and aggregators re-read within a second;
+    /// copy it next to `ca.pem` on every machine that accepts connections.
+    #[arg(long, value_delimiter = ',')]
+    pub revoke: Vec<String>,
 }
 
 /// A cancellation token cancelled by SIGTERM or Ctrl-C.
@@ -119,10 +128,23 @@ fn stop_on_sigterm() -> Result<std::sync::Arc<std::sync::atomic::AtomicBool>> {
 }
 
 /// `dreamddp certs --dir D --nodes a,b,c`.
+/// `dreamddp certs --dir D --revoke a,b` adds them to `D/revoked.crl`.
 pub fn certs(args: CertsArgs) -> Result<()> {
-    let written = transport::create_cluster_certs(&args.dir, &args.nodes)?;
-    for p in written {
-        println!("{}", p.display());
+    if !args.nodes.is_empty() {
+        let lifetime = Duration::from_secs(u64::from(args.days) * 86_400);
+        let written = transport::create_cluster_certs_valid_for(&args.dir, &args.nodes, lifetime)?;
+        for p in written {
+            println!("{}", p.display());
+        }
+    }
+    if !args.revoke.is_empty() {
+        let path = transport::revoke_nodes(&args.dir, &args.revoke)?;
+        println!(
+            "{} (revoked: {}; running nodes that read {} pick it up within a second)",
+            path.display(),
+            args.revoke.join(", "),
+            args.dir.display()
+        );
     }
     Ok(())
 }

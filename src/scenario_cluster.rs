@@ -346,6 +346,7 @@ pub fn cluster_file(
             timeout_s: (s.max_virtual_s + TIMEOUT_MARGIN_S).ceil() as u64,
             stop_after_s: Some(s.max_virtual_s),
             eval_every_s: Some(s.eval_every_s),
+            cert_lifetime_days: 365,
         },
         model: ModelSection {
             model: s.model.clone(),
@@ -374,6 +375,7 @@ pub fn cluster_file(
         workers: Vec::new(),
         edges,
         chaos,
+        revoke: Vec::new(),
         divergence: edge.divergence.clone(),
     })
 }

@@ -442,6 +442,65 @@ fn a_lost_aggregator_s_layers_move_to_the_survivor_and_training_goes_on() {
 }
 
 #[test]
+fn a_revoked_edge_is_refused_by_the_coordinator_and_every_aggregator_and_the_rest_train_on() {
+    let dir = scratch("cluster-revoke");
+    let _cleanup = RemoveOnSuccess(dir.clone());
+    let text = two_aggregator_cluster(
+        "revoke",
+        "[[edges]]\nname = \"edge-2\"\n\n[[revoke]]\nnode = \"edge-2\"\nat_s = 2.0\n",
+    )
+    .replace("drain_timeout_s = 60", "drain_timeout_s = 5")
+    // On MNIST 800 steps end within about 2 s: train long enough that edge-2 is still
+    // connected and training when its certificate is revoked.
+    .replace("steps = 800\n", "steps = 3000\n");
+    let file = dir.join("revoke.toml");
+    std::fs::write(&file, text).unwrap();
+    // `run_cluster` asserts the run is clean: the planned revocation is not a problem.
+    let summary = run_cluster(&file, &dir.join("out"), &[]);
+    let out = dir.join("out");
+    assert!(
+        node(&summary, "edge-2")["revoked_at_s"].as_f64().unwrap() >= 2.0,
+        "{summary}"
+    );
+    let warned = summary["warnings"].as_array().unwrap();
+    assert!(
+        warned.iter().any(|w| w
+            .as_str()
+            .unwrap()
+            .contains("edge-2's certificate was revoked")),
+        "{summary}"
+    );
+    // The coordinator and both aggregators closed edge-2's live connection, and each refused
+    // its attempts to come back during the handshake.
+    for process in ["coordinator", "agg-1", "agg-2"] {
+        let log = std::fs::read_to_string(out.join(process).join("log.txt")).unwrap();
+        assert!(
+            log.contains("peer=edge-2") && log.contains("certificate revoked: connection closed"),
+            "{process}: {log}"
+        );
+        if process != "coordinator" {
+            assert!(
+                log.contains("invalid peer certificate: Revoked"),
+                "{process}: {log}"
+            );
+        }
+    }
+    let log = std::fs::read_to_string(out.join("edge-2/log.txt")).unwrap();
+    assert!(log.contains("its certificate was revoked"), "{log}");
+    // Everyone else trained to the end and delivered everything.
+    for name in ["node-1", "edge-1"] {
+        let n = node(&summary, name);
+        assert_eq!(n["undelivered"], 0, "{summary}");
+        assert!(n["revoked_at_s"].is_null(), "{summary}");
+    }
+    assert_eq!(summary["ledger_duplicates"], 0, "{summary}");
+    assert!(
+        summary["final_accuracy"].as_f64().unwrap() > 0.8,
+        "{summary}"
+    );
+}
+
+#[test]
 fn a_layer_moving_back_to_a_restarted_aggregator_is_handed_over_in_two_phases() {
     let dir = scratch("cluster-move-back");
     let _cleanup = RemoveOnSuccess(dir.clone());

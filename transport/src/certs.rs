@@ -472,7 +472,11 @@ mod tests {
         let (_, parsed) = x509_parser::parse_x509_certificate(&loaded.cert_chain[0]).unwrap();
         let validity = parsed.validity();
         let span = validity.not_after.timestamp() - validity.not_before.timestamp();
-        assert_eq!(span, 30 * 24 * 3600 + 3600, "30 days from now, valid from an hour ago");
+        assert_eq!(
+            span,
+            30 * 24 * 3600 + 3600,
+            "30 days from now, valid from an hour ago"
+        );
         let err = create_cluster_certs_valid_for(dir.path(), &names(&["n1"]), Duration::ZERO)
             .unwrap_err();
         assert!(matches!(err, CertError::ZeroLifetime), "{err}");
@@ -487,7 +491,16 @@ mod tests {
         fs::write(dir.path().join("n1.pem"), cert.pem()).unwrap();
         fs::write(dir.path().join("n1.key"), key.serialize_pem()).unwrap();
         let err = TlsIdentity::in_dir(dir.path(), "n1").check().unwrap_err();
-        assert!(matches!(err, CertError::Expired { state: "expired", .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                CertError::Expired {
+                    state: "expired",
+                    ..
+                }
+            ),
+            "{err}"
+        );
         assert!(err.to_string().contains("--nodes n1"), "{err}");
     }
 

@@ -216,6 +216,19 @@ impl TransportError {
 }
 
 /// Map a connection-level error: application/local closes become
+impl TransportError {
+    /// Whether the peer refused this node because its certificate was revoked (TLS's
+    /// `certificate_revoked` alert, code 44, during the handshake).
+    pub fn is_certificate_revoked(&self) -> bool {
+        match self {
+            TransportError::Connect { reason, .. } | TransportError::Refused { reason, .. } => {
+                reason.contains("certificate: Revoked") || reason.contains("error 44:")
+            }
+            _ => false,
+        }
+    }
+}
+
 /// [`TransportError::Closed`], everything else [`TransportError::Connection`].
 pub(crate) fn from_connection_error(error: quinn::ConnectionError) -> TransportError {
     match error {

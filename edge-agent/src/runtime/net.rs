@@ -296,6 +296,7 @@ impl Ctx {
     async fn aggregator_link(self, id: NodeId, addr: SocketAddr) {
         let name = format!("aggregator-{id}");
         let mut backoff = Duration::from_millis(100);
+        let mut revoked_reported = false;
         loop {
             if self.shutdown.is_cancelled() {
                 return;
@@ -323,6 +324,17 @@ impl Ctx {
                         return;
                     }
                     warn!("[WARN] link to {name} at {addr} lost: {reason}; reconnecting");
+                }
+                Err(e) if e.is_certificate_revoked() => {
+                    if !revoked_reported {
+                        error!(
+                            "[ERROR] {name} at {addr} refuses this node: its certificate was \
+                             revoked by the cluster's operator; training goes on offline and \
+                             deltas stay cached. Ask for a new certificate \
+                             (`dreamddp certs --nodes NAME`) and restart with it"
+                        );
+                        revoked_reported = true;
+                    }
                 }
                 Err(e) => debug!("connecting to {name} at {addr}: {e}"),
             }
