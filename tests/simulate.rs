@@ -353,3 +353,46 @@ fn gpt_tiny_runs_in_a_clusters_scenario_with_a_loss_target() {
         assert!(r["time_to_target_s"].as_f64().is_some(), "{r}");
     }
 }
+
+/// A fresh clone without `../shared`: `DREAMDDP_DATA_DIR=none` hides the shared folder, so the
+/// built-in scenario runs on the embedded digits and the traces shipped in
+/// `simulations/traces/`.
+#[test]
+fn the_default_scenario_runs_without_the_shared_folder() {
+    let dir = scratch("no-shared");
+    let out = dir.join("out");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_dreamddp"))
+        .args([
+            "simulate",
+            "default",
+            "--quiet",
+            "--strategies",
+            "elastic",
+            "--out",
+            out.to_str().expect("utf-8"),
+        ])
+        .env("RUST_LOG", "warn")
+        .env(
+            engine::data::locate::DATA_DIR_ENV,
+            engine::data::locate::NO_SHARED,
+        )
+        .output()
+        .expect("the dreamddp binary starts");
+    assert!(o.status.success(), "{}", text(&o));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let text = summary.to_string();
+    assert!(
+        text.contains("digits") && !text.contains("mnist"),
+        "{}",
+        &text[..text.len().min(2000)]
+    );
+    let elastic = &summary["strategies"][0];
+    assert_eq!(elastic["strategy"], "elastic");
+    assert!(
+        elastic["final_accuracy"].as_f64().unwrap() > 0.5,
+        "{}",
+        &text[..text.len().min(2000)]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,6 +1,6 @@
 //! Finds the shared data sets folder (../shared/data/datasets) from the working directory.
 //!
-//! Order: the `DREAMDDP_DATA_DIR` environment variable, then `../shared/data/datasets` and
+//! Order: the `DREAMDDP_DATA_DIR` environment variable (`none`: no shared folder at all), then `../shared/data/datasets` and
 //! `../../shared/data/datasets` relative to the current directory, to this crate's manifest
 //! directory and to its parent (the workspace root). The first candidate that is an existing
 //! directory wins; tests use `None` to skip cleanly on machines without the shared folder.
@@ -10,9 +10,16 @@ use std::path::{Path, PathBuf};
 /// Environment variable that overrides where the shared data sets live.
 pub const DATA_DIR_ENV: &str = "DREAMDDP_DATA_DIR";
 
+/// `DREAMDDP_DATA_DIR=none`: behave as on a machine without the shared folder (embedded
+/// digits, the traces shipped in `simulations/traces/`), e.g. to check a fresh clone.
+pub const NO_SHARED: &str = "none";
+
 /// The shared data sets folder, or `None` when no candidate exists.
 pub fn shared_datasets_dir() -> Option<PathBuf> {
     let from_env = std::env::var_os(DATA_DIR_ENV).map(PathBuf::from);
+    if from_env.as_deref() == Some(Path::new(NO_SHARED)) {
+        return None;
+    }
     let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut bases = Vec::with_capacity(3);
     if let Ok(current) = std::env::current_dir() {
