@@ -341,6 +341,7 @@ async fn run_cluster(
                 certs_dir: certs_dir.clone(),
                 data_dir: dir.join("data"),
                 listen,
+                advertise: None,
                 coordinator: coordinator_addr,
                 coordinator_name: "coordinator".into(),
                 credentials: file.cluster.credentials.clone(),

@@ -110,6 +110,12 @@ impl PeerConnection {
         self.inner.connection.remote_address()
     }
 
+    /// This side's IP address on the connection (the route's source address; `None` where the
+    /// platform does not report it).
+    pub fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.inner.connection.local_ip()
+    }
+
     /// Send `msg` on its own stream. Returns the frame's length in bytes.
     /// Completes when the frame is handed to QUIC (buffered), not when the
     /// peer has read it.

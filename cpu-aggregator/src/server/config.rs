@@ -24,8 +24,13 @@ pub struct AggregatorNodeSection {
     pub certs_dir: PathBuf,
     /// Where the shard file lives.
     pub data_dir: PathBuf,
-    /// QUIC address nodes connect to.
+    /// QUIC address this aggregator binds (e.g. `0.0.0.0:7001` on a multi-host cluster).
     pub listen: SocketAddr,
+    /// The address nodes are told to dial, when it differs from `listen` (NAT, a load
+    /// balancer). Absent: `listen`, with an unspecified IP (`0.0.0.0`, `::`) replaced by the
+    /// local IP of the route to the coordinator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advertise: Option<SocketAddr>,
     /// Coordinator address.
     pub coordinator: SocketAddr,
     /// The coordinator's node name.
