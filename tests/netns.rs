@@ -7,6 +7,7 @@
 //! Needs root and iproute2 (`ip netns`); where namespaces cannot be made, the test says so
 //! and passes without running (CI machines differ; this one can).
 
+#[allow(dead_code)] // this test uses only `scratch`
 mod common;
 
 use std::path::{Path, PathBuf};
