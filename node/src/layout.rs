@@ -16,6 +16,22 @@ pub struct SyncLayerDef {
     pub name: String,
     /// Number of f32 values (all its parameters, flattened).
     pub len: usize,
+    /// Rows of the layer read as a matrix by a low-rank codec (`powersgd:R`): see
+    /// [`lowrank_matrix_rows`]. `None`: the codec's `⌈√len⌉` default.
+    pub matrix_rows: Option<u32>,
+}
+
+/// Rows of a layer's flattened parameters read as a matrix by a low-rank codec: the first
+/// parameter's (the weight's) output dimension, plus one row per started row of the values
+/// after it (the bias), so each matrix row is one of the weight's own rows. `None` for a
+/// layer whose first parameter is a vector. The simulator and the real agents use this one
+/// rule, so a `powersgd:R` delta is the same matrix in both.
+pub fn lowrank_matrix_rows(first_param_shape: &[usize], len: usize) -> Option<u32> {
+    let row_len: usize = first_param_shape.iter().skip(1).product();
+    if first_param_shape.len() < 2 || row_len <= 1 {
+        return None;
+    }
+    u32::try_from(len.div_ceil(row_len)).ok()
 }
 
 /// Checks that a replica's sync units (`ModelReplica::unit_infos`, e.g. of the tch backend)
@@ -58,15 +74,20 @@ pub fn sync_layout(model: &Model) -> Vec<SyncLayerDef> {
         .iter()
         .enumerate()
         .filter_map(|(model_index, l)| {
-            let len: usize = l.layer.params().iter().map(|p| p.value.len()).sum();
-            (len > 0).then(|| (model_index, l.name.clone(), len))
+            let params = l.layer.params();
+            let len: usize = params.iter().map(|p| p.value.len()).sum();
+            let rows = params
+                .first()
+                .and_then(|p| lowrank_matrix_rows(&p.shape, len));
+            (len > 0).then(|| (model_index, l.name.clone(), len, rows))
         })
         .enumerate()
-        .map(|(i, (model_index, name, len))| SyncLayerDef {
+        .map(|(i, (model_index, name, len, matrix_rows))| SyncLayerDef {
             layer_id: i as u32,
             model_index,
             name,
             len,
+            matrix_rows,
         })
         .collect()
 }
@@ -75,6 +96,32 @@ pub fn sync_layout(model: &Model) -> Vec<SyncLayerDef> {
 mod tests {
     use super::*;
     use crate::task::{load_data, ModelKind, Task};
+
+    #[test]
+    fn a_low_rank_codec_reads_each_layer_as_its_weights_rows_plus_a_bias_row() {
+        let model = engine::models::mlp::mlp(64, &[16, 8], 10, 0);
+        let layout = sync_layout(&model);
+        // fc1: 16 × 64 weights + 16 biases = 1,040 values read as 17 rows of 64.
+        let fc1 = &layout[0];
+        assert_eq!(fc1.len, 16 * 64 + 16);
+        let rows = fc1.matrix_rows.expect("a weight matrix");
+        let first = model.layers[fc1.model_index].layer.params()[0]
+            .shape
+            .clone();
+        assert_eq!(
+            rows as usize,
+            fc1.len.div_ceil(first[1..].iter().product()),
+            "{first:?}"
+        );
+        assert_eq!(
+            rows as usize,
+            first[0] + 1,
+            "one row per output plus the bias row"
+        );
+        // A vector-only layer has no matrix view.
+        assert_eq!(lowrank_matrix_rows(&[10], 10), None);
+        assert_eq!(lowrank_matrix_rows(&[4, 3, 3, 3], 4 * 27 + 4), Some(5));
+    }
 
     #[test]
     fn a_replica_with_another_layout_is_refused_naming_the_first_differing_layer() {

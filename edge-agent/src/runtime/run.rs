@@ -386,7 +386,7 @@ pub fn run_node_until(
                 .get(&l.name)
                 .copied()
                 .or(config.sync.max_stale_steps),
-            matrix_rows: None,
+            matrix_rows: l.matrix_rows,
         })
         .collect();
     // Synchronous rounds and FedBuff's rounds send the whole model at the same step.

@@ -445,14 +445,11 @@ impl<'a> World<'a> {
         let mut layers = Vec::new();
         for (k, info) in eval_model.layer_infos().into_iter().enumerate() {
             // The first parameter is the weight: its trailing dimensions are one row.
-            let row_len: usize = eval_model.layers[info.index]
+            let matrix_rows = eval_model.layers[info.index]
                 .layer
                 .params()
                 .first()
-                .map_or(0, |p| p.shape.iter().skip(1).product());
-            let matrix_rows = (row_len > 1)
-                .then(|| u32::try_from(info.params.div_ceil(row_len)).ok())
-                .flatten();
+                .and_then(|p| node::layout::lowrank_matrix_rows(&p.shape, info.params));
             layers.push(SyncLayer {
                 id: k as u32,
                 model_index: info.index,
