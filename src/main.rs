@@ -1,5 +1,6 @@
 //! `dreamddp`: the command-line entry point. Subcommands live in their own modules.
 
+mod allocator;
 mod bench_cmd;
 mod bench_tch;
 mod cli;
@@ -22,6 +23,15 @@ use clap::Parser;
 
 fn main() {
     let args = cli::Cli::parse();
+    if matches!(
+        args.command,
+        cli::Command::Coordinator(_)
+            | cli::Command::Aggregator(_)
+            | cli::Command::Worker(_)
+            | cli::Command::Edge(_)
+    ) {
+        allocator::tune_for_a_long_running_node();
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new(if args.verbose { "debug" } else { "info" })
     });
