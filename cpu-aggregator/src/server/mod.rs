@@ -1,6 +1,7 @@
 //! The aggregator process (`dreamddp aggregator`): configuration, the durable shard file,
 //! and the tokio + QUIC shell around [`crate::AggregatorState`].
 
+mod advertise;
 pub mod config;
 pub mod initial;
 pub mod run;

@@ -418,47 +418,6 @@ async fn read_loop(conn: u64, link: PeerConnection, tx: mpsc::UnboundedSender<In
     }
 }
 
-/// The address nodes are told to dial: `advertise` when configured; else the bound address,
-/// with an unspecified IP (`0.0.0.0`, `::`: listening on every interface) replaced by the
-/// local IP of the connection to the coordinator (quinn's, else the kernel's route source,
-/// [`route_source_ip`]), which is this host's address on the route the cluster uses. (Advertising `0.0.0.0` would send every node on another host to itself.)
-fn advertised_addr(
-    config: &AggregatorRunConfig,
-    listen: &str,
-    local_ip: Option<std::net::IpAddr>,
-) -> String {
-    if let Some(addr) = config.node.advertise {
-        return addr.to_string();
-    }
-    match (listen.parse::<std::net::SocketAddr>(), local_ip) {
-        (Ok(bound), Some(ip)) if bound.ip().is_unspecified() => {
-            std::net::SocketAddr::new(ip, bound.port()).to_string()
-        }
-        (Ok(bound), None) if bound.ip().is_unspecified() => {
-            warn!(
-                "[WARN] listening on {bound} and the route to the coordinator gave no local IP: \
-                 nodes will be told to dial {bound}; set [node] advertise = \"HOST:PORT\""
-            );
-            listen.to_string()
-        }
-        _ => listen.to_string(),
-    }
-}
-
-/// This host's source address on the route to `peer`: a UDP socket "connected" to it (no
-/// packet is sent) reports the address the kernel would send from.
-fn route_source_ip(peer: std::net::SocketAddr) -> Option<std::net::IpAddr> {
-    let any: std::net::SocketAddr = if peer.is_ipv4() {
-        ([0, 0, 0, 0], 0).into()
-    } else {
-        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-    };
-    let socket = std::net::UdpSocket::bind(any).ok()?;
-    socket.connect(peer).ok()?;
-    let ip = socket.local_addr().ok()?.ip();
-    (!ip.is_unspecified()).then_some(ip)
-}
-
 /// Joins the coordinator as an aggregator, heartbeats, and re-joins after a lost link.
 async fn coordinator_link(
     quic: Arc<QuicNode>,
@@ -481,8 +440,9 @@ async fn coordinator_link(
                 backoff = Duration::from_millis(100);
                 let local_ip = link
                     .local_ip()
-                    .or_else(|| route_source_ip(config.node.coordinator));
-                let listen_addr = advertised_addr(&config, &listen, local_ip);
+                    .or_else(|| super::advertise::route_source_ip(config.node.coordinator));
+                let listen_addr =
+                    super::advertise::advertised_addr(config.node.advertise, &listen, local_ip);
                 info!(
                     "[JOIN] joining the coordinator at {}, advertised as {listen_addr}",
                     config.node.coordinator
