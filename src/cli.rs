@@ -40,6 +40,10 @@ pub enum Command {
     Worker(crate::node_cmds::ProcessArgs),
     /// Run an edge agent process (trains locally, per-layer deadlines, durable weak-sync cache).
     Edge(crate::node_cmds::ProcessArgs),
+    /// Run many lightweight edge clients in one process (each the real sync client with its
+    /// own QUIC connections, certificate and durable cache; synthetic paced steps instead of
+    /// training), to load the aggregators and coordinator; `cluster` starts these for `[swarm]`.
+    Swarm(crate::node_cmds::ProcessArgs),
     /// Create a cluster CA and per-node certificates for mutual TLS.
     Certs(crate::node_cmds::CertsArgs),
     /// Run a user-space lossy UDP relay (loss, bursts, latency, jitter, bandwidth, outages, traces).

@@ -32,7 +32,22 @@ use crate::cluster_health;
 pub use crate::cluster_summary::{print_table, ClusterSummary, GlobalPoint, NodeSummary};
 use crate::global_model::{read_global, ShardSource};
 
+use crate::cluster_file::SwarmSpec;
+use crate::cluster_summary::{LatencyReport, SwarmReport};
 use crate::coordinator_cmd::{CoordinatorFile, CoordinatorNodeSection};
+use crate::status_probe::StatusProbe;
+use edge_agent::runtime::swarm::{SwarmClient, SwarmRunConfig, SwarmSection};
+use node::latency::LatencyHistogram;
+
+/// Clients of a swarm process that failed, from its `stats.json` (0 when it wrote none: a
+/// process that died without one is reported as lost).
+fn swarm_failed(data_dir: &Path) -> usize {
+    std::fs::read_to_string(data_dir.join("stats.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v["failed"].as_u64())
+        .map_or(0, |n| n as usize)
+}
 
 /// Flags of `cluster`.
 #[derive(Args, Debug, Clone)]
@@ -273,6 +288,9 @@ async fn run_cluster(
     all_names.extend(file.aggregators.iter().map(|a| a.name.clone()));
     all_names.extend(file.workers.iter().map(|w| w.name.clone()));
     all_names.extend(file.edges.iter().map(|e| e.name.clone()));
+    if let Some(sw) = &file.swarm {
+        all_names.extend((0..sw.clients).map(SwarmSpec::client_name));
+    }
     transport::create_cluster_certs_valid_for(
         &certs_dir,
         &all_names,
@@ -496,6 +514,72 @@ async fn run_cluster(
         }
         trainers.push(p);
     }
+    if let Some(sw) = &file.swarm {
+        for (p, process) in (0..sw.processes).map(|p| (p, SwarmSpec::process_name(p))) {
+            let dir = node_dir(&process)?;
+            let clients: Vec<SwarmClient> = (0..sw.clients)
+                .filter(|i| i % sw.processes == p)
+                .map(|i| SwarmClient {
+                    name: SwarmSpec::client_name(i),
+                    id: next_id + i as u64,
+                })
+                .collect();
+            let cfg = SwarmRunConfig {
+                template: NodeRunConfig {
+                    model: model.clone(),
+                    node: NodeSection {
+                        name: process.clone(),
+                        id: 0,
+                        certs_dir: certs_dir.clone(),
+                        data_dir: dir.join("data"),
+                        coordinator: coordinator_addr,
+                        coordinator_name: "coordinator".into(),
+                        credentials: file.cluster.credentials.clone(),
+                        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+                        address_overrides: HashMap::new(),
+                    },
+                    training: TrainingSection {
+                        workers: 1,
+                        first_rank: 0,
+                        world: 1,
+                        steps: file.training.steps,
+                        batch_size: file.training.batch_size,
+                        lr: file.training.lr,
+                        eval_every: 0,
+                        eval_limit: file.training.eval_limit,
+                        backend: "builtin".into(),
+                        device: "cpu".into(),
+                        optimizer: None,
+                        lr_schedule: None,
+                        pace: None,
+                    },
+                    sync: file.sync.clone(),
+                    transport: TransportSection::default(),
+                },
+                swarm: SwarmSection {
+                    step_ms: sw.step_ms,
+                    steps: file.training.steps,
+                    driver_threads: sw.driver_threads,
+                    network_threads: sw.network_threads,
+                    join_spread_ms: sw.join_spread_ms,
+                },
+                clients,
+            };
+            write_toml(&dir.join("config.toml"), &cfg)?;
+            let mut proc = Proc {
+                name: process,
+                role: "swarm",
+                config: dir.join("config.toml"),
+                log: dir.join("log.txt"),
+                child: None,
+                kills: 0,
+                relayed: false,
+            };
+            proc.spawn()?;
+            trainers.push(proc);
+        }
+    }
+    let status_probe = StatusProbe::start(status_addr);
     let trainers_started = Instant::now();
     let trainers_started_unix_s = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -700,6 +784,7 @@ async fn run_cluster(
 
     // Let the last deltas land, snapshot the status, stop the aggregators and coordinator.
     tokio::time::sleep(Duration::from_millis(500)).await;
+    let status_latency = status_probe.finish().await;
     let mut divergence_warnings = None;
     if let Ok(body) = http_get(status_addr, "/status").await {
         divergence_warnings = serde_json::from_str::<serde_json::Value>(&body)
@@ -779,6 +864,10 @@ async fn run_cluster(
             cached_at_end: None,
             pace_overruns: None,
             steps: None,
+            ack_latency: None,
+            ack_histogram: None,
+            peak_rss_bytes: stats["memory"]["peak_rss_bytes"].as_u64(),
+            cpu_seconds: stats["cpu_seconds"].as_f64(),
             staleness_histogram: stats["staleness_histogram"]
                 .as_array()
                 .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
@@ -827,6 +916,8 @@ async fn run_cluster(
             },
         };
         let exit = exits.get(&p.name).cloned().unwrap_or_default();
+        let ack: Option<LatencyHistogram> =
+            serde_json::from_value(stats["counters"]["ack_latency"].clone()).ok();
         let stopped_at_end = stopped.contains(&p.name);
         // A trainer stopped at the run's end keeps its backlog: cached at the end, not lost.
         let (undelivered, cached_at_end) = if stopped_at_end {
@@ -853,6 +944,10 @@ async fn run_cluster(
             cached_at_end,
             pace_overruns: stats["pace"]["overruns"].as_u64(),
             steps: stats["steps"].as_u64(),
+            ack_latency: ack.as_ref().and_then(LatencyReport::of),
+            ack_histogram: ack,
+            peak_rss_bytes: stats["memory"]["peak_rss_bytes"].as_u64(),
+            cpu_seconds: stats["cpu_seconds"].as_f64(),
             staleness_histogram: Vec::new(),
         });
     }
@@ -903,6 +998,29 @@ async fn run_cluster(
             problems.push(format!("{line}: deltas were applied more than once"));
         }
     }
+    let mut ack_latency = LatencyHistogram::new();
+    for n in &nodes {
+        if let Some(h) = &n.ack_histogram {
+            ack_latency.merge(h);
+        }
+    }
+    let swarm = file.swarm.as_ref().map(|sw| {
+        let aggs = nodes.iter().filter(|n| n.role == "aggregator");
+        let (bytes, applied) =
+            aggs.fold((0, 0), |(b, a), n| (b + n.bytes_sent, a + n.deltas_applied));
+        SwarmReport {
+            clients: sw.clients,
+            processes: sw.processes,
+            step_ms: sw.step_ms,
+            clients_failed: nodes
+                .iter()
+                .filter(|n| n.role == "swarm")
+                .map(|n| swarm_failed(&out.join(&n.name).join("data")))
+                .sum(),
+            aggregator_bytes_per_applied_delta: (applied > 0)
+                .then(|| bytes as f64 / applied as f64),
+        }
+    });
     let summary = ClusterSummary {
         cluster: file.cluster.name.clone(),
         clean_links: args.clean_links,
@@ -925,6 +1043,9 @@ async fn run_cluster(
         trainers_seconds,
         trainers_started_unix_s,
         divergence_warnings,
+        ack_latency_ms: LatencyReport::of(&ack_latency),
+        status_latency_ms: status_latency,
+        swarm,
     };
     std::fs::write(
         out.join("summary.json"),

@@ -47,6 +47,56 @@ pub struct ClusterFile {
     /// The coordinator's divergence monitor (`coordinator::DivergenceConfig`).
     #[serde(default)]
     pub divergence: coordinator::DivergenceConfig,
+    /// A load-test swarm of synthetic edge clients (`dreamddp swarm` processes).
+    #[serde(default)]
+    pub swarm: Option<SwarmSpec>,
+}
+
+/// `[swarm]`: `clients` lightweight edge clients in `processes` processes, each the real sync
+/// client with its own QUIC connections, certificate (`swarm-0001`, ...) and durable cache,
+/// taking a synthetic step every `step_ms` for `[training] steps` steps (see
+/// `edge_agent::runtime::swarm`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SwarmSpec {
+    /// Clients in all.
+    pub clients: usize,
+    /// Processes they are spread over.
+    #[serde(default = "default_swarm_processes")]
+    pub processes: usize,
+    /// Milliseconds between two synthetic steps of one client.
+    pub step_ms: u64,
+    /// Driver threads per process.
+    #[serde(default = "default_swarm_threads")]
+    pub driver_threads: usize,
+    /// Network (tokio) threads per process.
+    #[serde(default = "default_swarm_threads")]
+    pub network_threads: usize,
+    /// Joins of one process are spread over this many milliseconds.
+    #[serde(default = "default_join_spread_ms")]
+    pub join_spread_ms: u64,
+}
+
+fn default_swarm_processes() -> usize {
+    2
+}
+fn default_swarm_threads() -> usize {
+    2
+}
+fn default_join_spread_ms() -> u64 {
+    2_000
+}
+
+impl SwarmSpec {
+    /// The name of swarm client `i` (0-based) of `clients`.
+    pub fn client_name(i: usize) -> String {
+        format!("swarm-{:04}", i + 1)
+    }
+
+    /// The name of swarm process `p` (0-based).
+    pub fn process_name(p: usize) -> String {
+        format!("swarm-proc-{}", p + 1)
+    }
 }
 
 /// `[cluster]`.
@@ -311,14 +361,40 @@ pub fn validate(file: &ClusterFile) -> Result<()> {
     if file.aggregators.is_empty() {
         bail!("[[aggregators]]: a cluster needs at least one aggregator");
     }
-    if file.workers.is_empty() && file.edges.is_empty() {
-        bail!("a cluster needs at least one [[workers]] or [[edges]] entry");
+    if file.workers.is_empty() && file.edges.is_empty() && file.swarm.is_none() {
+        bail!("a cluster needs at least one [[workers]] or [[edges]] entry, or a [swarm]");
+    }
+    if let Some(s) = &file.swarm {
+        if s.clients == 0 || s.processes == 0 || s.processes > s.clients {
+            bail!(
+                "[swarm] clients = {}, processes = {}: need at least one client and one process, and no more processes than clients",
+                s.clients,
+                s.processes
+            );
+        }
+        if s.step_ms == 0 || s.driver_threads == 0 || s.network_threads == 0 {
+            bail!("[swarm] step_ms, driver_threads and network_threads must be at least 1");
+        }
     }
     file.divergence.validate().map_err(anyhow::Error::msg)?;
     let mut names: Vec<&str> = vec!["coordinator"];
     names.extend(file.aggregators.iter().map(|a| a.name.as_str()));
     names.extend(file.workers.iter().map(|w| w.name.as_str()));
     names.extend(file.edges.iter().map(|e| e.name.as_str()));
+    let swarm_names: Vec<String> = file.swarm.as_ref().map_or(Vec::new(), |s| {
+        (0..s.processes).map(SwarmSpec::process_name).collect()
+    });
+    names.extend(swarm_names.iter().map(String::as_str));
+    if file.swarm.is_some() {
+        if let Some(n) = names[1..]
+            .iter()
+            .find(|n| n.starts_with("swarm-") && !swarm_names.iter().any(|s| s == *n))
+        {
+            bail!(
+                "node name {n:?}: names starting with \"swarm-\" are the [swarm]'s own; rename it"
+            );
+        }
+    }
     for (i, n) in names.iter().enumerate() {
         transport::validate_node_name(n).with_context(|| format!("node name {n:?}"))?;
         if names[..i].contains(n) {

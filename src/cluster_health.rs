@@ -56,15 +56,25 @@ pub fn lost_reason(exit: &str) -> Option<String> {
 }
 
 /// Deltas still held in the durable weak-sync cache under `data_dir/cache` of a trainer that
-/// is no longer running (the cache is opened, validated, and counted; a damaged one is
-/// repaired the way a restarted node would). `Ok(0)` when the node never created one.
+/// is no longer running, plus those of a swarm process's clients (`data_dir/clients/*/cache`).
+/// Each cache is opened, validated, and counted; a damaged one is repaired the way a
+/// restarted node would. `Ok(0)` when the node never created one.
 pub fn undelivered_on_disk(data_dir: &Path) -> Result<u64, String> {
-    let dir = data_dir.join("cache");
-    if !dir.exists() {
-        return Ok(0);
+    let mut dirs = vec![data_dir.join("cache")];
+    if let Ok(clients) = std::fs::read_dir(data_dir.join("clients")) {
+        let mut more: Vec<_> = clients
+            .filter_map(|e| e.ok().map(|e| e.path().join("cache")))
+            .collect();
+        more.sort();
+        dirs.extend(more);
     }
-    let (cache, report) = DurableCache::open(&dir).map_err(|e| e.to_string())?;
-    Ok(cache.len() as u64 + report.dropped_corrupt as u64)
+    let mut total = 0;
+    for dir in dirs.iter().filter(|d| d.exists()) {
+        let (cache, report) =
+            DurableCache::open(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        total += cache.len() as u64 + report.dropped_corrupt as u64;
+    }
+    Ok(total)
 }
 
 /// One node as the problems list sees it.
@@ -156,9 +166,9 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("dreamddp-health-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(undelivered_on_disk(&dir), Ok(0), "no cache yet");
-        {
-            let (cache, _) = DurableCache::open(dir.join("cache")).unwrap();
-            for seq in 1..=3 {
+        let fill = |cache_dir: std::path::PathBuf, n: u64| {
+            let (cache, _) = DurableCache::open(cache_dir).unwrap();
+            for seq in 1..=n {
                 cache
                     .put_durable(&edge_agent::cache::CacheEntry {
                         layer_id: 0,
@@ -170,8 +180,13 @@ mod tests {
                     })
                     .unwrap();
             }
-        }
+        };
+        fill(dir.join("cache"), 3);
         assert_eq!(undelivered_on_disk(&dir), Ok(3));
+        // A swarm process keeps one cache per client: they are all counted.
+        fill(dir.join("clients").join("swarm-0001").join("cache"), 2);
+        fill(dir.join("clients").join("swarm-0002").join("cache"), 4);
+        assert_eq!(undelivered_on_disk(&dir), Ok(9));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use node::latency::LatencyHistogram;
 use serde::Serialize;
 
 /// One node in `summary.json`.
@@ -49,9 +50,70 @@ pub struct NodeSummary {
     pub pace_overruns: Option<u64>,
     /// Steps it trained (its last run).
     pub steps: Option<u64>,
+    /// Trainers: delta→ack latency of the deltas they had acknowledged.
+    pub ack_latency: Option<LatencyReport>,
+    /// The histogram behind `ack_latency` (merged into the run's).
+    #[serde(skip)]
+    pub ack_histogram: Option<LatencyHistogram>,
+    /// Peak resident memory of its last run (from its `stats.json`).
+    pub peak_rss_bytes: Option<u64>,
+    /// CPU seconds of its last run (aggregators and swarm processes).
+    pub cpu_seconds: Option<f64>,
     /// Aggregators: staleness τ of the deltas applied (`τ = 0 .. 15`, then `τ ≥ 16`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub staleness_histogram: Vec<u64>,
+}
+
+/// Quantiles of a latency histogram, milliseconds (each within 5 % above the exact value).
+#[derive(Clone, Debug, Serialize)]
+pub struct LatencyReport {
+    /// Latencies recorded.
+    pub count: u64,
+    /// Median.
+    pub p50_ms: f64,
+    /// 99th percentile.
+    pub p99_ms: f64,
+    /// Largest.
+    pub max_ms: f64,
+}
+
+impl LatencyReport {
+    /// The report of `h` (`None` when it is empty).
+    pub fn of(h: &LatencyHistogram) -> Option<Self> {
+        Some(LatencyReport {
+            count: h.count(),
+            p50_ms: h.quantile_ms(0.5)?,
+            p99_ms: h.quantile_ms(0.99)?,
+            max_ms: h.quantile_ms(1.0)?,
+        })
+    }
+}
+
+/// How the coordinator's `/status` answered the launcher's probe (one GET a second for the
+/// whole run).
+#[derive(Clone, Debug, Serialize)]
+pub struct StatusLatencyReport {
+    /// Answer times.
+    pub answered: Option<LatencyReport>,
+    /// Probes that failed or took over 2 s.
+    pub failures: u64,
+    /// Probes answered in more than 100 ms.
+    pub over_100ms: u64,
+}
+
+/// What a `[swarm]` run adds to the summary.
+#[derive(Clone, Debug, Serialize)]
+pub struct SwarmReport {
+    /// Clients in all.
+    pub clients: usize,
+    /// Swarm processes.
+    pub processes: usize,
+    /// Step time of each client, ms.
+    pub step_ms: u64,
+    /// Clients that failed (could not join, a cache write failed, ...).
+    pub clients_failed: usize,
+    /// Version payload bytes the aggregators sent per delta they applied.
+    pub aggregator_bytes_per_applied_delta: Option<f64>,
 }
 
 /// One evaluation of the global model during a run (`[cluster] eval_every_s`).
@@ -119,6 +181,12 @@ pub struct ClusterSummary {
     pub trainers_started_unix_s: f64,
     /// The coordinator's divergence warnings (its `/status` at the end; `None`: not read).
     pub divergence_warnings: Option<u64>,
+    /// Delta→ack latency over every trainer's acknowledged deltas.
+    pub ack_latency_ms: Option<LatencyReport>,
+    /// How fast the coordinator's `/status` answered during the run.
+    pub status_latency_ms: StatusLatencyReport,
+    /// The `[swarm]` load test, when there was one.
+    pub swarm: Option<SwarmReport>,
 }
 
 /// Prints the per-node table and the clean / not-clean verdict.
@@ -169,6 +237,39 @@ pub fn print_table(s: &ClusterSummary) {
         "deltas applied {} · duplicates rejected {} · weak-sync events {} · ledger duplicates {} · relay drops {}",
         s.deltas_applied, s.duplicates_rejected, s.weak_sync_events, s.ledger_duplicates, s.relay_dropped_datagrams
     );
+    if let Some(a) = &s.ack_latency_ms {
+        println!(
+            "delta→ack latency: p50 {:.1} ms · p99 {:.1} ms · max {:.1} ms over {} deltas",
+            a.p50_ms, a.p99_ms, a.max_ms, a.count
+        );
+    }
+    let st = &s.status_latency_ms;
+    if let Some(a) = &st.answered {
+        println!(
+            "coordinator /status: p50 {:.1} ms · p99 {:.1} ms · max {:.1} ms over {} probes · {} over 100 ms · {} failed",
+            a.p50_ms, a.p99_ms, a.max_ms, a.count, st.over_100ms, st.failures
+        );
+    }
+    if let Some(sw) = &s.swarm {
+        let aggs: Vec<&NodeSummary> = s.nodes.iter().filter(|n| n.role == "aggregator").collect();
+        println!(
+            "swarm: {} clients in {} processes, a step every {} ms · {} failed · aggregators sent {} per applied delta · aggregator peak RSS {} · CPU {}",
+            sw.clients,
+            sw.processes,
+            sw.step_ms,
+            sw.clients_failed,
+            sw.aggregator_bytes_per_applied_delta
+                .map_or("-".into(), |b| format!("{:.2} MB", b / 1e6)),
+            aggs.iter()
+                .map(|n| n.peak_rss_bytes.map_or("-".into(), |b| format!("{:.0} MB", b as f64 / 1e6)))
+                .collect::<Vec<_>>()
+                .join("/"),
+            aggs.iter()
+                .map(|n| n.cpu_seconds.map_or("-".into(), |c| format!("{c:.0} s")))
+                .collect::<Vec<_>>()
+                .join("/"),
+        );
+    }
     let undelivered: u64 = s.nodes.iter().filter_map(|n| n.undelivered).sum();
     let lost = s.nodes.iter().filter(|n| n.lost.is_some()).count();
     for w in &s.warnings {

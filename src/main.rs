@@ -17,6 +17,7 @@ mod plots;
 mod real_timeline;
 mod scenario_cluster;
 mod simulate_cmd;
+mod status_probe;
 mod train_cmd;
 
 use clap::Parser;
@@ -29,6 +30,7 @@ fn main() {
             | cli::Command::Aggregator(_)
             | cli::Command::Worker(_)
             | cli::Command::Edge(_)
+            | cli::Command::Swarm(_)
     ) {
         allocator::tune_for_a_long_running_node();
     }
@@ -53,6 +55,7 @@ fn main() {
         cli::Command::Aggregator(a) => node_cmds::aggregator(a),
         cli::Command::Worker(a) => node_cmds::trainer(a, protocol::Role::Worker),
         cli::Command::Edge(a) => node_cmds::trainer(a, protocol::Role::Edge),
+        cli::Command::Swarm(a) => node_cmds::swarm(a),
         cli::Command::Certs(a) => node_cmds::certs(a),
         cli::Command::Relay(a) => node_cmds::relay(a),
     };

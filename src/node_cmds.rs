@@ -1,4 +1,4 @@
-//! The process subcommands of a real cluster: `aggregator`, `worker`, `edge` and `certs`
+//! The process subcommands of a real cluster: `aggregator`, `worker`, `edge`, `swarm` and `certs`
 //! (`coordinator`, `relay` and `cluster` have their own modules). Each reads a TOML config
 //! (errors name the bad key) and runs the role's library entry point.
 
@@ -94,6 +94,28 @@ pub fn trainer(args: ProcessArgs, role: Role) -> Result<()> {
     let summary = edge_agent::runtime::run_node_until(&config, role, stop)
         .with_context(|| format!("node {}", config.node.name))?;
     println!("{}", serde_json::to_string_pretty(&summary)?);
+    Ok(())
+}
+
+/// `dreamddp swarm --config F`: the clients of one swarm process (see
+/// `edge_agent::runtime::swarm`). Exits non-zero when a client failed.
+pub fn swarm(args: ProcessArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&args.config)
+        .with_context(|| format!("reading {}", args.config.display()))?;
+    let text = node::cluster_model::apply_overrides(&text, &args.config, &args.set)?;
+    let config: edge_agent::runtime::swarm::SwarmRunConfig =
+        node::cluster_model::parse_toml(&text, &args.config)?;
+    let stop = stop_on_sigterm()?;
+    let summary = edge_agent::runtime::swarm::run_swarm(&config, stop)
+        .with_context(|| format!("swarm {}", config.template.node.name))?;
+    if summary.failed > 0 {
+        anyhow::bail!(
+            "swarm {}: {} of {} clients failed (their errors are in stats.json's per_client)",
+            summary.name,
+            summary.failed,
+            summary.clients
+        );
+    }
     Ok(())
 }
 

@@ -377,6 +377,7 @@ pub fn cluster_file(
         chaos,
         revoke: Vec::new(),
         divergence: edge.divergence.clone(),
+        swarm: None,
     })
 }
 

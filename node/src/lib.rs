@@ -9,13 +9,15 @@
 //! * [`replica`]: one model replica with its optimizers and data shard;
 //! * [`collective`], [`thread_collective`], [`link`]: the intra-node collective contract, its
 //!   thread backend and the link model that shapes it;
-//! * [`memory`]: the process's resident memory (stats, `/metrics`);
+//! * [`memory`]: the process's resident memory and CPU time (stats, `/metrics`);
+//! * [`latency`]: the latency histogram nodes record delta→ack times in;
 //! * [`training`]: a node's N-worker training loop with the leader hook through which it
 //!   talks to the rest of the cluster.
 
 pub mod backend;
 pub mod cluster_model;
 pub mod collective;
+pub mod latency;
 pub mod layout;
 pub mod link;
 pub mod memory;

@@ -85,6 +85,12 @@ pub struct AggregatorSummary {
     /// Staleness τ of the deltas applied by this run of the process: counts for `τ = 0 .. 15`,
     /// then `τ ≥ 16`.
     pub staleness_histogram: Vec<u64>,
+    /// Resident memory at exit and its peak over the run.
+    pub memory: node::memory::ProcessMemory,
+    /// CPU seconds the process used (user and system).
+    pub cpu_seconds: f64,
+    /// Subscribers connected at the end (nodes that asked for global versions).
+    pub subscribers: usize,
 }
 
 enum Inbound {
@@ -1091,6 +1097,9 @@ impl Shell {
             layer_versions: self.layer_versions(),
             ledger_len: self.ledger.len(),
             staleness_histogram: self.staleness.to_vec(),
+            memory: node::memory::process_memory(),
+            cpu_seconds: node::memory::process_cpu_seconds(),
+            subscribers: self.subscribers.len(),
         }
     }
 }

@@ -79,6 +79,27 @@ pub struct DriverCounters {
     pub restored_from_cache: u64,
     /// Latest local evaluation accuracy.
     pub accuracy: Option<f32>,
+    /// Delta→ack times of the deltas acknowledged (from the first send of a fresh delta or
+    /// of a cached one's retransmission to its ack), milliseconds.
+    pub ack_latency: node::latency::LatencyHistogram,
+}
+
+impl DriverCounters {
+    /// Adds `other`'s counts to these (a swarm's total over its clients); `step` and
+    /// `accuracy` keep the larger and the latest value.
+    pub fn add(&mut self, other: &DriverCounters) {
+        self.step = self.step.max(other.step);
+        self.bytes_sent += other.bytes_sent;
+        self.bytes_received += other.bytes_received;
+        self.weak_sync_events += other.weak_sync_events;
+        self.cut_cached += other.cut_cached;
+        self.deltas_delivered += other.deltas_delivered;
+        self.versions_applied += other.versions_applied;
+        self.versions_superseded += other.versions_superseded;
+        self.restored_from_cache += other.restored_from_cache;
+        self.accuracy = other.accuracy.or(self.accuracy);
+        self.ack_latency.merge(&other.ack_latency);
+    }
 }
 
 /// The node leader's sync driver (see the module docs).
@@ -423,10 +444,11 @@ impl SyncDriver {
                 new_version,
             } => {
                 self.counters.deltas_delivered += 1;
-                let ms = self
-                    .sent_at
-                    .remove(&(layer_id, seq))
-                    .map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+                let sent = self.sent_at.remove(&(layer_id, seq));
+                let ms = sent.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+                if sent.is_some() {
+                    self.counters.ack_latency.record_ms(ms);
+                }
                 let bytes = self
                     .by_id
                     .get(&layer_id)

@@ -256,6 +256,117 @@ impl LeaderHook for NodeLeader<'_> {
     }
 }
 
+/// Opens a node's durable weak-sync cache in `dir` with a page cache of `capacity_mb` MiB
+/// (moving a damaged one aside and saying so) and returns it with the entries it holds.
+pub(crate) fn open_node_cache(
+    dir: &Path,
+    capacity_mb: u64,
+) -> Result<(DurableCache, Vec<crate::cache::CacheEntry>), NodeRunError> {
+    let (cache, report) = DurableCache::open_with_capacity(dir, capacity_mb.max(1) << 20)?;
+    if let Some(m) = &report.moved_aside {
+        warn!(
+            "[WARN] weak-sync cache was damaged ({}); moved aside to {} and rebuilt with {} valid entries",
+            m.reason,
+            m.path.display(),
+            report.recovered
+        );
+    }
+    let entries = cache.entries()?;
+    Ok((cache, entries))
+}
+
+/// What a node's network side needs of its config: the join parameters and the
+/// capabilities it announces.
+pub(crate) fn net_config(config: &NodeRunConfig, role: Role) -> (NetConfig, Capabilities) {
+    let net_config = NetConfig {
+        node_id: config.node.id,
+        role,
+        coordinator: config.node.coordinator,
+        coordinator_name: config.node.coordinator_name.clone(),
+        credentials: config.node.credentials.clone(),
+        address_overrides: config.node.address_overrides.clone(),
+        heartbeat_every: Duration::from_millis(500),
+        send_timeout: Duration::from_secs(10),
+    };
+    let capabilities = Capabilities {
+        gpus: 0,
+        cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+        memory_bytes: 0,
+        link_bytes_per_sec: 0,
+        codecs: vec![protocol::Codec::RawF32, protocol::Codec::ZstdRawF32],
+    };
+    (net_config, capabilities)
+}
+
+/// A node's sync client: one layer spec per layer of `layout` (period, deadline, staleness
+/// bound from `[sync]`, owner from the join answer, phases spread unless rounds are
+/// synchronous), starting from `model`'s values, with seqs of this `incarnation`. Also
+/// returns the delta codec `[sync] codec` names.
+pub(crate) fn build_sync_client(
+    config: &NodeRunConfig,
+    layout: &[SyncLayerDef],
+    model: &engine::model::Model,
+    owners: &std::collections::HashMap<u32, u64>,
+    incarnation: u64,
+) -> Result<(SyncClient, super::config::DeltaCodec), NodeRunError> {
+    let delta_codec = parse_delta_codec(&config.sync.codec).map_err(|why| {
+        NodeRunError::Config(format!("sync.codec = {}: {why}", config.sync.codec))
+    })?;
+    let mut specs: Vec<LayerSpec> = layout
+        .iter()
+        .map(|l| LayerSpec {
+            layer_id: l.layer_id,
+            name: l.name.clone(),
+            shape: vec![l.len as u32],
+            period_steps: config.sync.period_steps,
+            phase: 0,
+            deadline_ns: config
+                .sync
+                .deadline_ms_by_layer
+                .get(&l.name)
+                .copied()
+                .unwrap_or(config.sync.deadline_ms)
+                * 1_000_000,
+            owner: owners.get(&l.layer_id).copied().unwrap_or(0),
+            max_stale_steps: config
+                .sync
+                .max_stale_steps_by_layer
+                .get(&l.name)
+                .copied()
+                .or(config.sync.max_stale_steps),
+            matrix_rows: l.matrix_rows,
+        })
+        .collect();
+    // Synchronous rounds and FedBuff's rounds send the whole model at the same step.
+    if !config.sync.wait_for_round && !config.sync.restart_from_global {
+        spread_phases(&mut specs);
+    }
+    let inits = specs
+        .into_iter()
+        .zip(layout)
+        .map(|(spec, l)| LayerInit {
+            spec,
+            values: model.layer_values(l.model_index),
+            version: 0,
+        })
+        .collect();
+    let client_config = ClientConfig {
+        max_attempts: config.sync.max_attempts,
+        delta_codec: delta_codec.wire_codec(),
+        flush_interval_ns: config.sync.flush_interval_ms * 1_000_000,
+        first_seq: incarnation << 32,
+        deadline_policy: config
+            .sync
+            .deadline_policy()
+            .map_err(|e| NodeRunError::Config(e.to_string()))?,
+        drift_cosine: config.sync.drift_cosine,
+        lr_damping: config.sync.lr_damping,
+    };
+    let client = SyncClient::new(config.node.id, inits, client_config)
+        .map_err(|e| NodeRunError::Training(e.to_string()))?;
+    Ok((client, delta_codec))
+}
+
 /// Runs a training node until it has trained `training.steps` steps and drained its backlog.
 pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, NodeRunError> {
     run_node_until(config, role, Arc::new(AtomicBool::new(false)))
@@ -292,20 +403,11 @@ pub fn run_node_until(
     })?;
     drop(probe);
 
-    let (cache, report) = DurableCache::open_with_capacity(
-        config.node.data_dir.join("cache"),
-        config.sync.cache_capacity_mb.max(1) << 20,
+    let (cache, cached) = open_node_cache(
+        &config.node.data_dir.join("cache"),
+        config.sync.cache_capacity_mb,
     )?;
-    if let Some(m) = &report.moved_aside {
-        warn!(
-            "[WARN] weak-sync cache was damaged ({}); moved aside to {} and rebuilt with {} valid entries",
-            m.reason,
-            m.path.display(),
-            report.recovered
-        );
-    }
     let incarnation = next_incarnation(&config.node.data_dir)?;
-    let cached = cache.entries()?;
     info!(
         "[START] node={} id={} backend={} device={} incarnation={incarnation} cached_deltas={}",
         config.node.name,
@@ -334,23 +436,7 @@ pub fn run_node_until(
         )?)
     };
     let (events_tx, events_rx) = std::sync::mpsc::channel();
-    let net_config = NetConfig {
-        node_id: config.node.id,
-        role,
-        coordinator: config.node.coordinator,
-        coordinator_name: config.node.coordinator_name.clone(),
-        credentials: config.node.credentials.clone(),
-        address_overrides: config.node.address_overrides.clone(),
-        heartbeat_every: Duration::from_millis(500),
-        send_timeout: Duration::from_secs(10),
-    };
-    let capabilities = Capabilities {
-        gpus: 0,
-        cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
-        memory_bytes: 0,
-        link_bytes_per_sec: 0,
-        codecs: vec![protocol::Codec::RawF32, protocol::Codec::ZstdRawF32],
-    };
+    let (net_config, capabilities) = net_config(config, role);
     let net = runtime.block_on(start_node_net(
         Arc::clone(&quic),
         net_config,
@@ -361,61 +447,8 @@ pub fn run_node_until(
     let owners: std::collections::HashMap<u32, u64> =
         net.join_ack.layer_owners.iter().copied().collect();
 
-    let delta_codec = parse_delta_codec(&config.sync.codec).map_err(|why| {
-        NodeRunError::Config(format!("sync.codec = {}: {why}", config.sync.codec))
-    })?;
-    let mut specs: Vec<LayerSpec> = layout
-        .iter()
-        .map(|l| LayerSpec {
-            layer_id: l.layer_id,
-            name: l.name.clone(),
-            shape: vec![l.len as u32],
-            period_steps: config.sync.period_steps,
-            phase: 0,
-            deadline_ns: config
-                .sync
-                .deadline_ms_by_layer
-                .get(&l.name)
-                .copied()
-                .unwrap_or(config.sync.deadline_ms)
-                * 1_000_000,
-            owner: owners.get(&l.layer_id).copied().unwrap_or(0),
-            max_stale_steps: config
-                .sync
-                .max_stale_steps_by_layer
-                .get(&l.name)
-                .copied()
-                .or(config.sync.max_stale_steps),
-            matrix_rows: l.matrix_rows,
-        })
-        .collect();
-    // Synchronous rounds and FedBuff's rounds send the whole model at the same step.
-    if !config.sync.wait_for_round && !config.sync.restart_from_global {
-        spread_phases(&mut specs);
-    }
-    let inits = specs
-        .into_iter()
-        .zip(&layout)
-        .map(|(spec, l)| LayerInit {
-            spec,
-            values: model.layer_values(l.model_index),
-            version: 0,
-        })
-        .collect();
-    let client_config = ClientConfig {
-        max_attempts: config.sync.max_attempts,
-        delta_codec: delta_codec.wire_codec(),
-        flush_interval_ns: config.sync.flush_interval_ms * 1_000_000,
-        first_seq: incarnation << 32,
-        deadline_policy: config
-            .sync
-            .deadline_policy()
-            .map_err(|e| NodeRunError::Config(e.to_string()))?,
-        drift_cosine: config.sync.drift_cosine,
-        lr_damping: config.sync.lr_damping,
-    };
-    let mut client = SyncClient::new(config.node.id, inits, client_config)
-        .map_err(|e| NodeRunError::Training(e.to_string()))?;
+    let (client, delta_codec) = build_sync_client(config, &layout, &model, &owners, incarnation)?;
+    let mut client = client;
     let restored = client
         .restore_from_cache(0, cached)
         .map_err(|e| NodeRunError::Training(format!("restoring the weak-sync cache: {e}")))?;
