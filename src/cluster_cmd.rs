@@ -103,7 +103,22 @@ impl Proc {
             .with_context(|| format!("opening {}", self.log.display()))?;
         let err = log.try_clone()?;
         let level = std::env::var("DREAMDDP_CLUSTER_LOG").unwrap_or_else(|_| "info".into());
-        let child = Command::new(exe)
+        // `DREAMDDP_CLUSTER_WRAP="ROLE:PROGRAM ARGS"` starts that role's processes under a
+        // tool (e.g. `swarm:heaptrack -o /tmp/heap`, `aggregator:perf record -g`).
+        let wrap = std::env::var("DREAMDDP_CLUSTER_WRAP").ok().and_then(|w| {
+            let (role, cmd) = w.split_once(':')?;
+            (role == self.role)
+                .then(|| cmd.split_whitespace().map(String::from).collect::<Vec<_>>())
+        });
+        let mut command = match wrap.as_deref() {
+            Some([program, args @ ..]) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(exe);
+                c
+            }
+            _ => Command::new(exe),
+        };
+        let child = command
             .env("RUST_LOG", level)
             .arg(self.role)
             .arg("--config")
@@ -554,7 +569,10 @@ async fn run_cluster(
                         pace: None,
                     },
                     sync: file.sync.clone(),
-                    transport: TransportSection::default(),
+                    transport: sw
+                        .transport
+                        .clone()
+                        .unwrap_or_else(SwarmSpec::default_transport),
                 },
                 swarm: SwarmSection {
                     step_ms: sw.step_ms,
@@ -852,6 +870,7 @@ async fn run_cluster(
             bytes_sent: stats["bytes_out"].as_u64().unwrap_or(0),
             weak_sync_events: 0,
             deltas_applied: stats["deltas_applied"].as_u64().unwrap_or(0),
+            deltas_acked: 0,
             duplicates_rejected: stats["duplicates_rejected"].as_u64().unwrap_or(0),
             local_accuracy: None,
             undelivered: None,
@@ -933,6 +952,7 @@ async fn run_cluster(
             weak_sync_events: stats["counters"]["weak_sync_events"].as_u64().unwrap_or(0),
             deltas_applied: 0,
             duplicates_rejected: 0,
+            deltas_acked: stats["counters"]["deltas_delivered"].as_u64().unwrap_or(0),
             local_accuracy: stats["final_accuracy"].as_f64(),
             undelivered,
             undelivered_from_disk,
@@ -985,6 +1005,17 @@ async fn run_cluster(
             ))
         })
         .collect();
+    let ledger_entries = ledger.len() as u64 - ledger_duplicates;
+    let deltas_acked: u64 = nodes.iter().map(|n| n.deltas_acked).sum();
+    let restarted_any = nodes.iter().any(|n| n.kills > 0);
+    if deltas_acked > ledger_entries && !restarted_any {
+        // Without restarts every delta is acknowledged once, and only after it was applied
+        // and persisted: more acknowledgements than ledger entries means acked deltas are
+        // missing from the global model.
+        problems.push(format!(
+            "the trainers received {deltas_acked} acknowledgements but the aggregators' ledgers hold {ledger_entries} deltas: acknowledged deltas were lost"
+        ));
+    }
     if ledger_duplicates > 0 {
         let restarted = nodes.iter().any(|n| n.role == "aggregator" && n.kills > 0);
         let line = format!(
@@ -1032,6 +1063,8 @@ async fn run_cluster(
         weak_sync_events: nodes.iter().map(|n| n.weak_sync_events).sum(),
         nodes,
         ledger_duplicates,
+        ledger_entries,
+        deltas_acked,
         reapplied_after_loss,
         relay_dropped_datagrams: relay_dropped,
         relay_datagrams,

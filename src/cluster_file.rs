@@ -75,6 +75,10 @@ pub struct SwarmSpec {
     /// Joins of one process are spread over this many milliseconds.
     #[serde(default = "default_join_spread_ms")]
     pub join_spread_ms: u64,
+    /// QUIC settings of every client (default: the windows of a constrained edge device,
+    /// [`SwarmSpec::default_transport`]).
+    #[serde(default)]
+    pub transport: Option<TransportSection>,
 }
 
 fn default_swarm_processes() -> usize {
@@ -91,6 +95,21 @@ impl SwarmSpec {
     /// The name of swarm client `i` (0-based) of `clients`.
     pub fn client_name(i: usize) -> String {
         format!("swarm-{:04}", i + 1)
+    }
+
+    /// The clients' QUIC settings when `[swarm.transport]` is absent: 2 MiB per stream and
+    /// 4 MiB per connection each way, what a constrained device would give a connection
+    /// (the process default of 16/64 MiB lets each of a thousand connections buffer tens of
+    /// megabytes of versions it has not read yet), and Ethernet-sized UDP payloads (each
+    /// endpoint's receive buffer is sized from the largest payload: 2 MiB at quinn's default).
+    pub fn default_transport() -> TransportSection {
+        TransportSection {
+            stream_receive_window: Some(2 << 20),
+            receive_window: Some(4 << 20),
+            send_window: Some(4 << 20),
+            max_udp_payload: Some(1472),
+            ..TransportSection::default()
+        }
     }
 
     /// The name of swarm process `p` (0-based).

@@ -24,6 +24,8 @@ pub struct NodeSummary {
     pub deltas_applied: u64,
     /// Duplicates rejected (aggregators).
     pub duplicates_rejected: u64,
+    /// Deltas whose acknowledgement it received (trainers; its last run).
+    pub deltas_acked: u64,
     /// Local accuracy at the end (trainers).
     pub local_accuracy: Option<f64>,
     /// Deltas still undelivered at exit (trainers): from its `stats.json`, or, for a
@@ -158,6 +160,11 @@ pub struct ClusterSummary {
     /// retransmitted to the layer's new owner, which applied them: applied once in the
     /// surviving history, so not duplicates.
     pub reapplied_after_loss: u64,
+    /// Distinct `(node, layer, seq)` in the ledgers of the final system's aggregators: every
+    /// acknowledged delta must be among them.
+    pub ledger_entries: u64,
+    /// Acknowledgements the trainers received (their last runs).
+    pub deltas_acked: u64,
     /// Datagrams the relays dropped.
     pub relay_dropped_datagrams: u64,
     /// The drops by cause (`random_loss`, `burst_loss`, `outage`, `queue_full`,
@@ -234,8 +241,8 @@ pub fn print_table(s: &ClusterSummary) {
         );
     }
     println!(
-        "deltas applied {} · duplicates rejected {} · weak-sync events {} · ledger duplicates {} · relay drops {}",
-        s.deltas_applied, s.duplicates_rejected, s.weak_sync_events, s.ledger_duplicates, s.relay_dropped_datagrams
+        "deltas applied {} · acknowledged {} · in the ledgers {} · duplicates rejected {} · weak-sync events {} · ledger duplicates {} · relay drops {}",
+        s.deltas_applied, s.deltas_acked, s.ledger_entries, s.duplicates_rejected, s.weak_sync_events, s.ledger_duplicates, s.relay_dropped_datagrams
     );
     if let Some(a) = &s.ack_latency_ms {
         println!(

@@ -49,7 +49,14 @@ pub struct TransportConfig {
     pub max_message_bytes: usize,
     /// Congestion controller of every connection (default [`Congestion::Bbr`]).
     pub congestion: Congestion,
+    /// Largest UDP payload this endpoint accepts (default 65 527, quinn's). The endpoint's
+    /// receive buffer is sized from it (about 2 MiB at the default, 46 KiB at 1 472): what a
+    /// process that runs a thousand endpoints (`dreamddp swarm`) lowers.
+    pub max_udp_payload: u16,
 }
+
+/// Smallest `max_udp_payload` QUIC allows (RFC 9000 §18.2).
+pub const MIN_UDP_PAYLOAD: u16 = 1200;
 
 /// QUIC congestion controller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -143,6 +150,9 @@ pub struct TransportSection {
     /// Congestion controller: `bbr` (default), `cubic` or `newreno`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub congestion: Option<String>,
+    /// Largest UDP payload accepted, bytes (1200..=65527; default 65527).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_udp_payload: Option<u16>,
 }
 
 /// A `[transport]` value that cannot be used; names the key.
@@ -236,6 +246,16 @@ impl TransportSection {
                 ),
             ));
         }
+        if let Some(v) = self.max_udp_payload {
+            if !(MIN_UDP_PAYLOAD..=65_527).contains(&v) {
+                return Err(err(
+                    "max_udp_payload",
+                    v.to_string(),
+                    format!("must be in {MIN_UDP_PAYLOAD}..=65527 bytes"),
+                ));
+            }
+            config.max_udp_payload = v;
+        }
         if let Some(name) = &self.congestion {
             config.congestion = name
                 .parse()
@@ -258,6 +278,7 @@ impl Default for TransportConfig {
             send_window: 64 << 20,
             max_message_bytes: protocol::HEADER_LEN + protocol::DEFAULT_MAX_BODY_LEN as usize,
             congestion: Congestion::default(),
+            max_udp_payload: 65_527,
         }
     }
 }
@@ -437,6 +458,11 @@ mod tests {
             TransportSection::default().to_config().unwrap(),
             TransportConfig::default()
         );
+        let small = TransportSection {
+            max_udp_payload: Some(1472),
+            ..TransportSection::default()
+        };
+        assert_eq!(small.to_config().unwrap().max_udp_payload, 1472);
     }
 
     #[test]
@@ -485,6 +511,13 @@ mod tests {
                     ..TransportSection::default()
                 },
                 "transport.send_window",
+            ),
+            (
+                TransportSection {
+                    max_udp_payload: Some(1000),
+                    ..TransportSection::default()
+                },
+                "transport.max_udp_payload",
             ),
             (
                 TransportSection {

@@ -33,6 +33,8 @@ pub const CLOSE_CODE_NORMAL: u32 = 0;
 pub const STREAM_CODE_TOO_LARGE: u32 = 1;
 /// Stream error code: the sender reset a stream whose send timed out.
 pub const STREAM_CODE_SEND_TIMEOUT: u32 = 2;
+/// Stream error code: the sender discarded a message a newer one superseded.
+pub const STREAM_CODE_SUPERSEDED: u32 = 3;
 
 /// One received message (or peer fault) and the credit it holds until `recv`
 /// takes it.
@@ -134,6 +136,19 @@ impl PeerConnection {
         msg: &Message,
         timeout: Duration,
     ) -> Result<usize, TransportError> {
+        Ok(self.send_replaceable(msg, timeout).await?.len())
+    }
+
+    /// [`PeerConnection::send_with_timeout`] that keeps the finished stream: what QUIC still
+    /// holds of it (unsent or unacknowledged bytes) can be discarded later with
+    /// [`SentStream::discard`], e.g. when a newer attempt of the same message supersedes it.
+    /// Without that, every retransmission of a slow message would add its whole payload to
+    /// the connection's send buffer.
+    pub async fn send_replaceable(
+        &self,
+        msg: &Message,
+        timeout: Duration,
+    ) -> Result<SentStream, TransportError> {
         let deadline = Instant::now() + timeout;
         let frame = self.encode(msg)?;
         let len = frame.len();
@@ -142,14 +157,14 @@ impl PeerConnection {
             Err(_elapsed) => return Err(TransportError::timeout_after(self.peer_name(), timeout)),
             Ok(opened) => opened.map_err(from_connection_error)?,
         };
-        // Dropped before `finish` (timeout, or the caller's future cancelled): reset.
         let mut guard = ResetOnDrop(Some(stream));
         match tokio::time::timeout_at(deadline, guard.stream().write_chunk(frame)).await {
             Err(_elapsed) => Err(TransportError::timeout_after(self.peer_name(), timeout)),
             Ok(written) => {
                 written.map_err(|e| self.write_error(e))?;
-                guard.finish()?;
-                Ok(len)
+                let mut stream = guard.0.take().ok_or(TransportError::Closed)?;
+                stream.finish().map_err(|_| TransportError::Closed)?;
+                Ok(SentStream { stream, len })
             }
         }
     }
@@ -266,8 +281,33 @@ impl PeerConnection {
     }
 }
 
-/// Accept the peer's streams until the connection ends, reading each in its
-/// own task; finally report how the connection ended.
+/// A message's stream after [`PeerConnection::send_replaceable`] handed all of it to QUIC.
+/// Dropping it changes nothing (QUIC delivers the rest); [`SentStream::discard`] resets it.
+#[derive(Debug)]
+pub struct SentStream {
+    stream: quinn::SendStream,
+    len: usize,
+}
+
+impl SentStream {
+    /// The frame's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the frame was empty (never: a frame has a header).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Resets the stream: QUIC drops whatever of it is still unsent or unacknowledged and the
+    /// peer, if it has not read all of it yet, drops the partial message. Nothing happens
+    /// when the peer already has every byte.
+    pub fn discard(mut self) {
+        let _ = self.stream.reset(VarInt::from_u32(STREAM_CODE_SUPERSEDED));
+    }
+}
+
 /// A send stream that is reset (not finished) if it is dropped before [`Self::finish`]:
 /// quinn finishes a dropped `SendStream`, which would hand the peer a truncated frame when a
 /// send is cancelled or times out. A reset stream is dropped by the peer's reader instead.
@@ -295,6 +335,8 @@ impl Drop for ResetOnDrop {
     }
 }
 
+/// Accept the peer's streams until the connection ends, reading each in its
+/// own task; finally report how the connection ended.
 async fn read_streams(
     connection: quinn::Connection,
     peer: String,
@@ -617,6 +659,26 @@ mod tests {
             .await
             .unwrap();
         assert!(sent > protocol::HEADER_LEN);
+        assert_eq!(bounded(from_worker.recv()).await.unwrap(), delta_ack(3, 0));
+    }
+
+    #[tokio::test]
+    async fn a_replaceable_send_delivers_and_discarding_it_afterwards_is_harmless() {
+        let dir = cert_dir(&["worker", "agg"]);
+        let config = TransportConfig::default();
+        let worker = bind(dir.path(), "worker", &config);
+        let agg = bind(dir.path(), "agg", &config);
+        let (to_agg, from_worker) = connect_pair(&worker, &agg, "agg").await;
+        let big = layer_delta(2, 0, 256 << 10);
+        let sent = bounded(to_agg.send_replaceable(&big, Duration::from_secs(5)))
+            .await
+            .unwrap();
+        assert!(sent.len() > 256 << 10 && !sent.is_empty());
+        assert_eq!(bounded(from_worker.recv()).await.unwrap(), big);
+        // The peer has every byte: resetting the stream now changes nothing for it, and the
+        // connection carries on.
+        sent.discard();
+        bounded(to_agg.send(&delta_ack(3, 0))).await.unwrap();
         assert_eq!(bounded(from_worker.recv()).await.unwrap(), delta_ack(3, 0));
     }
 

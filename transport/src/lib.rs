@@ -39,7 +39,7 @@ pub use certs::{
     DEFAULT_CERT_LIFETIME,
 };
 pub use config::{Congestion, TransportConfig};
-pub use connection::PeerConnection;
+pub use connection::{PeerConnection, SentStream};
 pub use error::{CertError, TransportError};
 pub use node::QuicNode;
 pub use revocation::{revoke_nodes, CLOSE_CODE_REVOKED, REVOKED_FILE};

@@ -75,12 +75,22 @@ impl QuicNode {
     ) -> Result<QuicNode, TransportError> {
         config.validate()?;
         let configs = quinn_configs(identity.load()?, &identity.ca_cert, config)?;
+        let io = |source| TransportError::Io {
+            action: "bind",
+            addr: Some(addr),
+            source,
+        };
+        let socket = std::net::UdpSocket::bind(addr).map_err(io)?;
+        let mut endpoint_config = quinn::EndpointConfig::default();
+        endpoint_config
+            .max_udp_payload_size(config.max_udp_payload)
+            .map_err(|e| TransportError::InvalidConfig(format!("max_udp_payload: {e}")))?;
+        let runtime = quinn::default_runtime().ok_or_else(|| {
+            TransportError::InvalidConfig("no async runtime found (bind inside tokio)".into())
+        })?;
         let mut endpoint =
-            quinn::Endpoint::server(configs.server, addr).map_err(|source| TransportError::Io {
-                action: "bind",
-                addr: Some(addr),
-                source,
-            })?;
+            quinn::Endpoint::new(endpoint_config, Some(configs.server), socket, runtime)
+                .map_err(io)?;
         endpoint.set_default_client_config(configs.client);
         let (sender, receiver) = mpsc::channel(ACCEPT_QUEUE);
         let live = LiveConnections::default();

@@ -256,10 +256,30 @@ struct Ctx {
     shutdown: CancellationToken,
     /// Global versions waiting for the training thread.
     versions: Arc<VersionMailbox>,
-    /// The send task of the latest delta per (aggregator, layer): a new attempt of a layer
-    /// cancels the previous one (its stream is reset), so retransmissions never pile up on a
-    /// slow link.
-    delta_sends: Arc<Mutex<HashMap<(NodeId, u32), tokio::task::AbortHandle>>>,
+    /// The latest delta send per (aggregator, layer): a new attempt of a layer cancels the
+    /// previous one — its send task if it is still handing the frame to QUIC, its stream if
+    /// QUIC still holds bytes of it — so retransmissions never pile up on a slow link or in
+    /// the connection's send buffer.
+    delta_sends: Arc<Mutex<HashMap<(NodeId, u32), DeltaSend>>>,
+}
+
+/// One delta send of [`Ctx::delta_sends`].
+struct DeltaSend {
+    /// Tells this attempt from a newer one of the same slot.
+    generation: u64,
+    task: tokio::task::AbortHandle,
+    /// The finished stream, once the task handed the whole frame to QUIC.
+    sent: Option<transport::SentStream>,
+}
+
+impl DeltaSend {
+    /// Cancels the send and discards what QUIC still holds of it.
+    fn cancel(self) {
+        self.task.abort();
+        if let Some(sent) = self.sent {
+            sent.discard();
+        }
+    }
 }
 
 impl Ctx {
@@ -429,16 +449,41 @@ impl Ctx {
             return;
         };
         let timeout = self.config.send_timeout;
+        let Some(slot) = slot else {
+            tokio::spawn(async move {
+                if let Err(e) = conn.send_with_timeout(&msg, timeout).await {
+                    debug!("send of {} to {} failed: {e}", msg.kind(), conn.peer_name());
+                }
+            });
+            return;
+        };
+        let sends = Arc::clone(&self.delta_sends);
+        let mut table = self.delta_sends.lock().unwrap_or_else(|p| p.into_inner());
+        let generation = table.get(&slot).map_or(0, |d| d.generation + 1);
         let task = tokio::spawn(async move {
-            if let Err(e) = conn.send_with_timeout(&msg, timeout).await {
-                debug!("send of {} to {} failed: {e}", msg.kind(), conn.peer_name());
+            match conn.send_replaceable(&msg, timeout).await {
+                Ok(sent) => {
+                    let mut table = sends.lock().unwrap_or_else(|p| p.into_inner());
+                    match table.get_mut(&slot) {
+                        Some(d) if d.generation == generation => d.sent = Some(sent),
+                        // Superseded while it was being handed over.
+                        _ => sent.discard(),
+                    }
+                }
+                Err(e) => debug!("send of {} to {} failed: {e}", msg.kind(), conn.peer_name()),
             }
         });
-        if let Some(slot) = slot {
-            let mut sends = self.delta_sends.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(previous) = sends.insert(slot, task.abort_handle()) {
-                previous.abort();
-            }
+        let previous = table.insert(
+            slot,
+            DeltaSend {
+                generation,
+                task: task.abort_handle(),
+                sent: None,
+            },
+        );
+        drop(table);
+        if let Some(previous) = previous {
+            previous.cancel();
         }
     }
 
