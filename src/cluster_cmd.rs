@@ -887,6 +887,8 @@ async fn run_cluster(
             ack_histogram: None,
             peak_rss_bytes: stats["memory"]["peak_rss_bytes"].as_u64(),
             cpu_seconds: stats["cpu_seconds"].as_f64(),
+            fanout_bytes: stats["fanout"]["bytes"].as_u64(),
+            fanout_superseded: stats["fanout"]["superseded"].as_u64(),
             staleness_histogram: stats["staleness_histogram"]
                 .as_array()
                 .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
@@ -968,6 +970,8 @@ async fn run_cluster(
             ack_histogram: ack,
             peak_rss_bytes: stats["memory"]["peak_rss_bytes"].as_u64(),
             cpu_seconds: stats["cpu_seconds"].as_f64(),
+            fanout_bytes: None,
+            fanout_superseded: None,
             staleness_histogram: Vec::new(),
         });
     }
@@ -1037,8 +1041,10 @@ async fn run_cluster(
     }
     let swarm = file.swarm.as_ref().map(|sw| {
         let aggs = nodes.iter().filter(|n| n.role == "aggregator");
-        let (bytes, applied) =
-            aggs.fold((0, 0), |(b, a), n| (b + n.bytes_sent, a + n.deltas_applied));
+        let (bytes, applied) = aggs.fold((0, 0), |(b, a), n| {
+            (b + n.fanout_bytes.unwrap_or(0), a + n.deltas_applied)
+        });
+        let per_delta = (applied > 0).then(|| bytes as f64 / applied as f64);
         SwarmReport {
             clients: sw.clients,
             processes: sw.processes,
@@ -1048,8 +1054,8 @@ async fn run_cluster(
                 .filter(|n| n.role == "swarm")
                 .map(|n| swarm_failed(&out.join(&n.name).join("data")))
                 .sum(),
-            aggregator_bytes_per_applied_delta: (applied > 0)
-                .then(|| bytes as f64 / applied as f64),
+            aggregator_bytes_per_applied_delta: per_delta,
+            aggregator_bytes_per_applied_delta_per_client: per_delta.map(|b| b / sw.clients as f64),
         }
     });
     let summary = ClusterSummary {

@@ -61,6 +61,11 @@ pub struct NodeSummary {
     pub peak_rss_bytes: Option<u64>,
     /// CPU seconds of its last run (aggregators and swarm processes).
     pub cpu_seconds: Option<f64>,
+    /// Aggregators: layer-version frame bytes sent to subscribers, each subscriber's copy
+    /// counted (`bytes_sent` counts a broadcast once).
+    pub fanout_bytes: Option<u64>,
+    /// Aggregators: versions a busy subscriber never got because a newer one replaced them.
+    pub fanout_superseded: Option<u64>,
     /// Aggregators: staleness τ of the deltas applied (`τ = 0 .. 15`, then `τ ≥ 16`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub staleness_histogram: Vec<u64>,
@@ -114,8 +119,12 @@ pub struct SwarmReport {
     pub step_ms: u64,
     /// Clients that failed (could not join, a cache write failed, ...).
     pub clients_failed: usize,
-    /// Version payload bytes the aggregators sent per delta they applied.
+    /// Layer-version bytes the aggregators sent to subscribers (every copy) per delta they
+    /// applied.
     pub aggregator_bytes_per_applied_delta: Option<f64>,
+    /// The same per applied delta and subscriber: what one client received per delta the
+    /// fleet sent (1 × the mean layer size would be every version to every client).
+    pub aggregator_bytes_per_applied_delta_per_client: Option<f64>,
 }
 
 /// One evaluation of the global model during a run (`[cluster] eval_every_s`).

@@ -7,7 +7,7 @@
 //! backwards). The coordinator's layer map says which layers this aggregator owns.
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,7 +23,7 @@ use transport::{PeerConnection, QuicNode, TlsIdentity};
 
 use super::config::AggregatorRunConfig;
 use super::initial::InitialLayers;
-use super::shard_file::{self, AppliedEntry, ShardFileError};
+use super::shard_file::{AppliedEntry, ShardFileError, ShardStore};
 use crate::config::{AggregatorConfig, OwnedLayer};
 use crate::state::{AggEvent, AggregatorCounters, AggregatorState, Output};
 
@@ -91,6 +91,19 @@ pub struct AggregatorSummary {
     pub cpu_seconds: f64,
     /// Subscribers connected at the end (nodes that asked for global versions).
     pub subscribers: usize,
+    /// Layer versions sent to subscribers (each subscriber's copy counts).
+    pub fanout: Fanout,
+}
+
+/// What an aggregator's broadcasts cost (`AggregatorSummary::fanout`).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Fanout {
+    /// Layer-version sends to subscribers (one per subscriber and version sent).
+    pub sends: u64,
+    /// Frame bytes of those sends.
+    pub bytes: u64,
+    /// Versions replaced by a newer one while they waited for a busy subscriber (never sent).
+    pub superseded: u64,
 }
 
 enum Inbound {
@@ -119,8 +132,9 @@ struct Shell {
     id: u64,
     state: AggregatorState,
     initial: InitialLayers,
-    shard_path: PathBuf,
-    ledger: Vec<AppliedEntry>,
+    shard: ShardStore,
+    /// Ledger entries applied since the last commit (they go to the log with it).
+    pending_ledger: Vec<AppliedEntry>,
     conns: HashMap<u64, PeerConnection>,
     conn_node: HashMap<u64, u64>,
     node_conn: HashMap<u64, u64>,
@@ -137,6 +151,9 @@ struct Shell {
     /// behind it (older waiting versions are superseded, never queued: a slow subscriber
     /// gets the latest version, not a backlog).
     version_slots: HashMap<(u64, u32), Option<bytes::Bytes>>,
+    /// What the broadcasts cost: per-subscriber version sends, their frame bytes, and
+    /// versions replaced by a newer one before a busy subscriber could take them.
+    fanout: Fanout,
     inbound_tx: mpsc::UnboundedSender<Inbound>,
     /// Layers the map gave us whose newest version is elsewhere: not served (deltas get
     /// `NotOwner`, their senders retry) until the coordinator's hand-over of at least this
@@ -162,10 +179,9 @@ pub async fn run_aggregator(
     };
     let Startup {
         state,
-        ledger,
         resumed,
         initial,
-        shard_path,
+        shard,
     } = opened;
     let versions: Vec<String> = state
         .layer_ids()
@@ -178,7 +194,7 @@ pub async fn run_aggregator(
         if resumed {
             format!(
                 "resumed from {} ({})",
-                shard_path.display(),
+                shard.path().display(),
                 versions.join(" ")
             )
         } else {
@@ -213,8 +229,8 @@ pub async fn run_aggregator(
         id: config.node.id,
         state,
         initial,
-        shard_path,
-        ledger,
+        shard,
+        pending_ledger: Vec::new(),
         conns: HashMap::new(),
         conn_node: HashMap::new(),
         node_conn: HashMap::new(),
@@ -227,6 +243,7 @@ pub async fn run_aggregator(
         resumed,
         send_timeout: Duration::from_secs(10),
         version_slots: HashMap::new(),
+        fanout: Fanout::default(),
         inbound_tx: tx.clone(),
         awaiting_handover: HashMap::new(),
         early_handovers: HashMap::new(),
@@ -308,10 +325,9 @@ pub async fn run_aggregator(
 #[derive(Debug)]
 struct Startup {
     state: AggregatorState,
-    ledger: Vec<AppliedEntry>,
     resumed: bool,
     initial: InitialLayers,
-    shard_path: PathBuf,
+    shard: ShardStore,
 }
 
 /// Opens the shard file: a restart resumes from it **without building the initial
@@ -327,25 +343,25 @@ fn open_startup(
         source,
     })?;
     let shard_path = config.node.data_dir.join("shard.bin");
-    let (state, ledger, resumed) = match shard_file::read(&shard_path)? {
-        Some((snapshot, ledger)) => {
+    let (shard, snapshot) = ShardStore::open(&shard_path)?;
+    let (state, resumed) = match snapshot {
+        Some(snapshot) => {
             let state = AggregatorState::restore(&snapshot, state_config)
                 .map_err(|e| AggregatorRunError::Setup(format!("{}: {e}", shard_path.display())))?;
-            (state, ledger, true)
+            (state, true)
         }
         None => {
             initial.build().map_err(AggregatorRunError::Setup)?;
             let state = AggregatorState::new(config.node.id, Vec::new(), state_config)
                 .map_err(|e| AggregatorRunError::Setup(e.to_string()))?;
-            (state, Vec::new(), false)
+            (state, false)
         }
     };
     Ok(Startup {
         state,
-        ledger,
         resumed,
         initial,
-        shard_path,
+        shard,
     })
 }
 
@@ -850,7 +866,7 @@ impl Shell {
                     msg: Message::DeltaAck(ack),
                     ..
                 } if ack.applied => {
-                    self.ledger.push(AppliedEntry {
+                    self.pending_ledger.push(AppliedEntry {
                         node: ack.node_id,
                         layer: ack.layer_id,
                         seq: ack.seq,
@@ -916,7 +932,11 @@ impl Shell {
                     for conn in subscribers {
                         match self.version_slots.get_mut(&(conn, layer)) {
                             // Busy: the newest version waits (replacing an older one).
-                            Some(waiting) => *waiting = Some(frame.clone()),
+                            Some(waiting) => {
+                                if waiting.replace(frame.clone()).is_some() {
+                                    self.fanout.superseded += 1;
+                                }
+                            }
                             None => self.send_version(conn, layer, frame.clone()),
                         }
                     }
@@ -933,6 +953,8 @@ impl Shell {
             return;
         };
         self.version_slots.insert((conn, layer), None);
+        self.fanout.sends += 1;
+        self.fanout.bytes += frame.len() as u64;
         let timeout = self.send_timeout;
         let done = self.inbound_tx.clone();
         tokio::spawn(async move {
@@ -941,9 +963,11 @@ impl Shell {
         });
     }
 
-    fn persist(&self) -> Result<(), AggregatorRunError> {
-        let bytes = shard_file::encode(&self.state.snapshot(), &self.ledger);
-        shard_file::write_atomic(&self.shard_path, &bytes)?;
+    /// One group commit: the round's new ledger entries and the snapshot.
+    fn persist(&mut self) -> Result<(), AggregatorRunError> {
+        self.shard
+            .commit(&self.state.snapshot(), &self.pending_ledger)?;
+        self.pending_ledger.clear();
         Ok(())
     }
 
@@ -1095,11 +1119,12 @@ impl Shell {
             bytes_out: c.bytes_out,
             bad_peers_disconnected: self.bad_peers,
             layer_versions: self.layer_versions(),
-            ledger_len: self.ledger.len(),
+            ledger_len: (self.shard.committed() as usize) + self.pending_ledger.len(),
             staleness_histogram: self.staleness.to_vec(),
             memory: node::memory::process_memory(),
             cpu_seconds: node::memory::process_cpu_seconds(),
             subscribers: self.subscribers.len(),
+            fanout: self.fanout,
         }
     }
 }
@@ -1107,6 +1132,7 @@ impl Shell {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn config(data_dir: PathBuf) -> AggregatorRunConfig {
         let text = format!(
@@ -1162,8 +1188,9 @@ credentials = "x"
                 &[],
             )
             .unwrap();
-        let bytes = shard_file::encode(&fresh.state.snapshot(), &[]);
-        shard_file::write_atomic(&fresh.shard_path, &bytes).unwrap();
+        let mut shard = fresh.shard;
+        shard.commit(&fresh.state.snapshot(), &[]).unwrap();
+        drop(shard);
 
         // Restart: the shard file is there, so no initial weights are built.
         let restarted = open_startup(&config, state_config).unwrap();
