@@ -887,6 +887,7 @@ async fn run_cluster(
             ack_histogram: None,
             peak_rss_bytes: stats["memory"]["peak_rss_bytes"].as_u64(),
             cpu_seconds: stats["cpu_seconds"].as_f64(),
+            fanout_sends: stats["fanout"]["sends"].as_u64(),
             fanout_bytes: stats["fanout"]["bytes"].as_u64(),
             fanout_superseded: stats["fanout"]["superseded"].as_u64(),
             staleness_histogram: stats["staleness_histogram"]
@@ -970,6 +971,7 @@ async fn run_cluster(
             ack_histogram: ack,
             peak_rss_bytes: stats["memory"]["peak_rss_bytes"].as_u64(),
             cpu_seconds: stats["cpu_seconds"].as_f64(),
+            fanout_sends: None,
             fanout_bytes: None,
             fanout_superseded: None,
             staleness_histogram: Vec::new(),

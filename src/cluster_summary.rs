@@ -61,6 +61,8 @@ pub struct NodeSummary {
     pub peak_rss_bytes: Option<u64>,
     /// CPU seconds of its last run (aggregators and swarm processes).
     pub cpu_seconds: Option<f64>,
+    /// Aggregators: layer-version sends to subscribers (one per subscriber and version).
+    pub fanout_sends: Option<u64>,
     /// Aggregators: layer-version frame bytes sent to subscribers, each subscriber's copy
     /// counted (`bytes_sent` counts a broadcast once).
     pub fanout_bytes: Option<u64>,

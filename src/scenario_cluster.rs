@@ -402,6 +402,7 @@ fn aggregation_section(config: &AggregatorConfig) -> AggregationSection {
             Aggregation::WeightedMean => "mean".into(),
         },
         min_round_senders: config.min_round_senders,
+        broadcast_interval_ms: 0,
     }
 }
 

@@ -7,12 +7,9 @@ mod common;
 use common::{dreamddp, scratch, text};
 use serde_json::Value;
 
-#[test]
-fn a_swarm_of_clients_loads_real_aggregators_and_loses_nothing() {
-    let dir = scratch("swarm");
-    let file = dir.join("swarm.toml");
-    std::fs::write(
-        &file,
+/// A 24-client swarm cluster file; `aggregation` goes into `[aggregation]`.
+fn swarm_file(aggregation: &str) -> String {
+    format!(
         r#"
 [cluster]
 name = "swarm-e2e"
@@ -29,6 +26,9 @@ steps = 40
 period_steps = 4
 drain_timeout_s = 60
 
+[aggregation]
+{aggregation}
+
 [[aggregators]]
 name = "agg-1"
 
@@ -40,9 +40,13 @@ clients = 24
 processes = 2
 step_ms = 200
 join_spread_ms = 500
-"#,
+"#
     )
-    .unwrap();
+}
+
+fn run(dir: &std::path::Path, text_of_file: &str) -> Value {
+    let file = dir.join("swarm.toml");
+    std::fs::write(&file, text_of_file).unwrap();
     let out = dir.join("out");
     let o = dreamddp(&[
         "cluster",
@@ -51,8 +55,23 @@ join_spread_ms = 500
         out.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "cluster failed:\n{}", text(&o));
-    let s: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap()
+}
+
+fn aggregators(s: &Value) -> Vec<&Value> {
+    s["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["role"] == "aggregator")
+        .collect()
+}
+
+#[test]
+fn a_swarm_of_clients_loads_real_aggregators_and_loses_nothing() {
+    let dir = scratch("swarm");
+    let s = run(&dir, &swarm_file(""));
+    let out = dir.join("out");
     let swarm = &s["swarm"];
     assert_eq!(swarm["clients"], 24, "{s}");
     assert_eq!(swarm["clients_failed"], 0, "{s}");
@@ -103,13 +122,7 @@ join_spread_ms = 500
             > 0.0,
         "{s}"
     );
-    for agg in ["agg-1", "agg-2"] {
-        let n = s["nodes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|n| n["name"] == agg)
-            .unwrap();
+    for n in aggregators(&s) {
         assert!(n["peak_rss_bytes"].as_u64().unwrap() > 0, "{s}");
         assert!(n["cpu_seconds"].as_f64().is_some(), "{s}");
     }
@@ -131,5 +144,30 @@ join_spread_ms = 500
             "{name}'s cache"
         );
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// With `broadcast_interval_ms`, a subscriber gets at most one version of a layer per
+/// interval however many clients feed it; the newer versions replace the waiting one, and
+/// the run still delivers everything.
+#[test]
+fn a_broadcast_interval_bounds_what_each_subscriber_receives() {
+    let dir = scratch("swarm-interval");
+    let s = run(&dir, &swarm_file("broadcast_interval_ms = 1000"));
+    assert!(s["problems"].as_array().unwrap().is_empty(), "{s}");
+    assert_eq!(s["ledger_entries"], s["deltas_acked"], "{s}");
+    let wall = s["trainers_seconds"].as_f64().unwrap();
+    let superseded: u64 = aggregators(&s)
+        .iter()
+        .map(|n| n["fanout_superseded"].as_u64().unwrap())
+        .sum();
+    // 24 subscribers × 4 layers, at most one send per layer and second (plus the first).
+    let bound = 24.0 * 4.0 * (wall + 2.0);
+    let sent: f64 = aggregators(&s)
+        .iter()
+        .map(|n| n["fanout_sends"].as_u64().unwrap() as f64)
+        .sum();
+    assert!(sent <= bound, "{sent} version sends > {bound}: {s}");
+    assert!(superseded > 0, "{s}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -84,6 +84,13 @@ pub struct AggregationSection {
     /// are refused; FedAvg's minimum completion rate). 0: every round is applied.
     #[serde(default)]
     pub min_round_senders: usize,
+    /// The shortest time between two versions of one layer sent to one subscriber,
+    /// milliseconds. Versions applied meanwhile wait, the newest replacing the older (which
+    /// is never sent), so what a subscriber receives per layer is bounded by this rate
+    /// however many nodes feed the layer. 0 (default): the next version goes out as soon as
+    /// the subscriber took the previous one.
+    #[serde(default)]
+    pub broadcast_interval_ms: u64,
 }
 
 fn default_rule() -> String {

@@ -147,6 +147,8 @@ struct Shell {
     bad_peers: u64,
     resumed: bool,
     send_timeout: Duration,
+    /// `[aggregation] broadcast_interval_ms`.
+    broadcast_interval: Duration,
     /// Per (subscriber, layer): a version send is in progress, and the newest frame waiting
     /// behind it (older waiting versions are superseded, never queued: a slow subscriber
     /// gets the latest version, not a backlog).
@@ -242,6 +244,7 @@ pub async fn run_aggregator(
         bad_peers: 0,
         resumed,
         send_timeout: Duration::from_secs(10),
+        broadcast_interval: Duration::from_millis(config.aggregation.broadcast_interval_ms),
         version_slots: HashMap::new(),
         fanout: Fanout::default(),
         inbound_tx: tx.clone(),
@@ -947,7 +950,9 @@ impl Shell {
         Ok(())
     }
 
-    /// Sends one layer-version frame to a subscriber; its completion frees the slot.
+    /// Sends one layer-version frame to a subscriber; its completion frees the slot, but not
+    /// before `broadcast_interval` has passed since the send began (newer versions wait in
+    /// the slot meanwhile, the newest replacing the older).
     fn send_version(&mut self, conn: u64, layer: u32, frame: bytes::Bytes) {
         let Some(link) = self.conns.get(&conn).cloned() else {
             return;
@@ -956,9 +961,12 @@ impl Shell {
         self.fanout.sends += 1;
         self.fanout.bytes += frame.len() as u64;
         let timeout = self.send_timeout;
+        let interval = self.broadcast_interval;
         let done = self.inbound_tx.clone();
         tokio::spawn(async move {
+            let started = tokio::time::Instant::now();
             let _ = link.send_frame_with_timeout(frame, timeout).await;
+            tokio::time::sleep_until(started + interval).await;
             let _ = done.send(Inbound::VersionSent { conn, layer });
         });
     }
