@@ -72,8 +72,6 @@ mod tests {
         assert_eq!(parse_cpu_seconds("1 (x) S 1 2"), None);
     }
 
-    use super::*;
-
     #[test]
     fn parses_the_kernel_format_and_tolerates_garbage() {
         let text = "Name:\tdreamddp\nVmHWM:\t  130412 kB\nVmRSS:\t   98304 kB\nThreads:\t9\n";

@@ -367,6 +367,47 @@ pub(crate) fn build_sync_client(
     Ok((client, delta_codec))
 }
 
+/// What a node brings to its sync driver besides its config: its role, its seq incarnation,
+/// and its opened durable cache with the entries it held.
+pub(crate) struct NodeState {
+    pub(crate) role: Role,
+    pub(crate) incarnation: u64,
+    pub(crate) cache: DurableCache,
+    pub(crate) cached: Vec<crate::cache::CacheEntry>,
+}
+
+/// The sync driver of a node that joined with `net`: its sync client
+/// ([`build_sync_client`]) restored from the cached entries, sending through the network
+/// side's outbox and hearing from it on `events`.
+pub(crate) fn build_driver(
+    config: &NodeRunConfig,
+    layout: &[SyncLayerDef],
+    model: &engine::model::Model,
+    node: NodeState,
+    net: &super::net::NodeNet,
+    events: std::sync::mpsc::Receiver<super::driver::NetEvent>,
+) -> Result<SyncDriver, NodeRunError> {
+    let owners: std::collections::HashMap<u32, u64> =
+        net.join_ack.layer_owners.iter().copied().collect();
+    let (mut client, codec) = build_sync_client(config, layout, model, &owners, node.incarnation)?;
+    let restored = client
+        .restore_from_cache(0, node.cached)
+        .map_err(|e| NodeRunError::Training(format!("restoring the weak-sync cache: {e}")))?;
+    let driver = SyncDriver::new(
+        client,
+        node.cache,
+        layout.to_vec(),
+        Box::new(net.outbox.clone()),
+        events,
+        node.role,
+        Duration::from_millis(config.sync.stats_every_ms),
+        net.join_ack.map_epoch,
+    );
+    let mut driver = driver.with_top_k(codec.top_k_fraction().map(TopKSparsifier::new));
+    driver.note_restored(restored);
+    Ok(driver)
+}
+
 /// Runs a training node until it has trained `training.steps` steps and drained its backlog.
 pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, NodeRunError> {
     run_node_until(config, role, Arc::new(AtomicBool::new(false)))
@@ -447,23 +488,13 @@ pub fn run_node_until(
     let owners: std::collections::HashMap<u32, u64> =
         net.join_ack.layer_owners.iter().copied().collect();
 
-    let (client, delta_codec) = build_sync_client(config, &layout, &model, &owners, incarnation)?;
-    let mut client = client;
-    let restored = client
-        .restore_from_cache(0, cached)
-        .map_err(|e| NodeRunError::Training(format!("restoring the weak-sync cache: {e}")))?;
-    let driver = SyncDriver::new(
-        client,
-        cache,
-        layout.clone(),
-        Box::new(net.outbox.clone()),
-        events_rx,
+    let node_state = NodeState {
         role,
-        Duration::from_millis(config.sync.stats_every_ms),
-        net.join_ack.map_epoch,
-    );
-    let mut driver = driver.with_top_k(delta_codec.top_k_fraction().map(TopKSparsifier::new));
-    driver.note_restored(restored);
+        incarnation,
+        cache,
+        cached,
+    };
+    let mut driver = build_driver(config, &layout, &model, node_state, &net, events_rx)?;
 
     // Bootstrap: the aggregators answer our Subscribe with the current global versions.
     let mut boot_model = BuiltinReplica::new(model, &OptimizerConfig::sgd());

@@ -10,7 +10,6 @@
 //! that pump them in turn. The process writes `stats.json` in the schema of a trainer's
 //! (summed over its clients: `undelivered`, `counters`, `steps`) plus per-client lines.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -29,8 +28,9 @@ use transport::{QuicNode, TlsIdentity};
 use super::config::NodeRunConfig;
 use super::driver::{DriverCounters, SyncDriver};
 use super::net::{start_node_net, NodeNet};
-use super::run::{build_sync_client, net_config, next_incarnation, open_node_cache, NodeRunError};
-use super::topk::TopKSparsifier;
+use super::run::{
+    build_driver, net_config, next_incarnation, open_node_cache, NodeRunError, NodeState,
+};
 
 /// The config of one swarm process (written by `dreamddp cluster` for a `[swarm]` section).
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -345,23 +345,13 @@ fn start_member(
         )
         .await
     })?;
-    let owners: HashMap<u32, u64> = net.join_ack.layer_owners.iter().copied().collect();
-    let (mut client_state, codec) = build_sync_client(&c, layout, model, &owners, incarnation)?;
-    let restored = client_state
-        .restore_from_cache(0, cached)
-        .map_err(|e| NodeRunError::Training(format!("restoring the weak-sync cache: {e}")))?;
-    let driver = SyncDriver::new(
-        client_state,
+    let node_state = NodeState {
+        role: Role::Edge,
+        incarnation,
         cache,
-        layout.to_vec(),
-        Box::new(net.outbox.clone()),
-        events_rx,
-        Role::Edge,
-        Duration::from_millis(c.sync.stats_every_ms),
-        net.join_ack.map_epoch,
-    );
-    let mut driver = driver.with_top_k(codec.top_k_fraction().map(TopKSparsifier::new));
-    driver.note_restored(restored);
+        cached,
+    };
+    let driver = build_driver(&c, layout, model, node_state, &net, events_rx)?;
     let member = Member {
         name: client.name.clone(),
         driver,
