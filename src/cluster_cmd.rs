@@ -406,6 +406,23 @@ async fn run_cluster(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
+    // The `[node]` section of a trainer (or of a swarm process) on this machine.
+    let node_section =
+        |name: &str,
+         id: u64,
+         data_dir: PathBuf,
+         address_overrides: HashMap<SocketAddr, SocketAddr>| NodeSection {
+            name: name.to_string(),
+            id,
+            certs_dir: certs_dir.clone(),
+            data_dir,
+            coordinator: coordinator_addr,
+            coordinator_name: "coordinator".into(),
+            credentials: file.cluster.credentials.clone(),
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            address_overrides,
+        };
+
     // Trainers (and the relays in front of lossy edges).
     let world: usize = file.workers.iter().map(|w| w.workers).sum::<usize>() + file.edges.len();
     let mut trainers = Vec::new();
@@ -481,17 +498,7 @@ async fn run_cluster(
         }
         let cfg = NodeRunConfig {
             model: model.clone(),
-            node: NodeSection {
-                name: name.clone(),
-                id: next_id,
-                certs_dir: certs_dir.clone(),
-                data_dir: dir.join("data"),
-                coordinator: coordinator_addr,
-                coordinator_name: "coordinator".into(),
-                credentials: file.cluster.credentials.clone(),
-                bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-                address_overrides: overrides,
-            },
+            node: node_section(&name, next_id, dir.join("data"), overrides),
             training: TrainingSection {
                 workers: spec.workers,
                 first_rank: rank,
@@ -542,17 +549,7 @@ async fn run_cluster(
             let cfg = SwarmRunConfig {
                 template: NodeRunConfig {
                     model: model.clone(),
-                    node: NodeSection {
-                        name: process.clone(),
-                        id: 0,
-                        certs_dir: certs_dir.clone(),
-                        data_dir: dir.join("data"),
-                        coordinator: coordinator_addr,
-                        coordinator_name: "coordinator".into(),
-                        credentials: file.cluster.credentials.clone(),
-                        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-                        address_overrides: HashMap::new(),
-                    },
+                    node: node_section(&process, 0, dir.join("data"), HashMap::new()),
                     training: TrainingSection {
                         workers: 1,
                         first_rank: 0,
