@@ -408,6 +408,25 @@ pub(crate) fn build_driver(
     Ok(driver)
 }
 
+/// Binds a node's QUIC endpoint with its certificate and `[transport]` settings, on
+/// `runtime`.
+pub(crate) fn bind_node_quic(
+    config: &NodeRunConfig,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<Arc<QuicNode>, NodeRunError> {
+    let identity = TlsIdentity::in_dir(&config.node.certs_dir, &config.node.name);
+    let transport = config
+        .transport
+        .to_config()
+        .map_err(|e| NodeRunError::Config(e.to_string()))?;
+    let _guard = runtime.enter();
+    Ok(Arc::new(QuicNode::bind(
+        config.node.bind,
+        &identity,
+        &transport,
+    )?))
+}
+
 /// Runs a training node until it has trained `training.steps` steps and drained its backlog.
 pub fn run_node(config: &NodeRunConfig, role: Role) -> Result<NodeRunSummary, NodeRunError> {
     run_node_until(config, role, Arc::new(AtomicBool::new(false)))
@@ -463,19 +482,7 @@ pub fn run_node_until(
         .enable_all()
         .build()
         .map_err(io(Path::new("tokio runtime")))?;
-    let identity = TlsIdentity::in_dir(&config.node.certs_dir, &config.node.name);
-    let transport_config = config
-        .transport
-        .to_config()
-        .map_err(|e| NodeRunError::Config(e.to_string()))?;
-    let quic = {
-        let _guard = runtime.enter();
-        Arc::new(QuicNode::bind(
-            config.node.bind,
-            &identity,
-            &transport_config,
-        )?)
-    };
+    let quic = bind_node_quic(config, &runtime)?;
     let (events_tx, events_rx) = std::sync::mpsc::channel();
     let (net_config, capabilities) = net_config(config, role);
     let net = runtime.block_on(start_node_net(

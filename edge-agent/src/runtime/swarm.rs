@@ -23,13 +23,14 @@ use node::layout::{sync_layout, SyncLayerDef};
 use protocol::Role;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
-use transport::{QuicNode, TlsIdentity};
+use transport::QuicNode;
 
 use super::config::NodeRunConfig;
 use super::driver::{DriverCounters, SyncDriver};
 use super::net::{start_node_net, NodeNet};
 use super::run::{
-    build_driver, net_config, next_incarnation, open_node_cache, NodeRunError, NodeState,
+    bind_node_quic, build_driver, net_config, next_incarnation, open_node_cache, NodeRunError,
+    NodeState,
 };
 
 /// The config of one swarm process (written by `dreamddp cluster` for a `[swarm]` section).
@@ -323,15 +324,7 @@ fn start_member(
     let (cache, cached) =
         open_node_cache(&c.node.data_dir.join("cache"), c.sync.cache_capacity_mb)?;
     let incarnation = next_incarnation(&c.node.data_dir)?;
-    let identity = TlsIdentity::in_dir(&c.node.certs_dir, &c.node.name);
-    let transport = c
-        .transport
-        .to_config()
-        .map_err(|e| NodeRunError::Config(e.to_string()))?;
-    let quic = {
-        let _guard = runtime.enter();
-        Arc::new(QuicNode::bind(c.node.bind, &identity, &transport)?)
-    };
+    let quic = bind_node_quic(&c, runtime)?;
     let (events_tx, events_rx) = std::sync::mpsc::channel();
     let (net_cfg, capabilities) = net_config(&c, Role::Edge);
     let net = runtime.block_on(async {
