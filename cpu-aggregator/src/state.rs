@@ -41,7 +41,7 @@
 //! reaches the model. `cargo bench -p cpu-aggregator` compares a round against `memcpy` of
 //! the same bytes.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use engine::fused_reduce::{
     accumulate_checked, apply_checked, apply_in_place, in_place_is_safe, max_abs, FusedReduceError,
@@ -298,7 +298,9 @@ pub struct AggregatorState {
     config: AggregatorConfig,
     layers: Vec<LayerState>,
     index: HashMap<u32, usize>,
-    highest_applied_seq: HashMap<(NodeId, u32), u64>,
+    /// The at-most-once ledger, per layer: each node's highest applied seq. Kept per layer
+    /// so a version's ledger is read without scanning every other layer's entries.
+    highest_applied_seq: HashMap<u32, BTreeMap<NodeId, u64>>,
     outputs: VecDeque<Output>,
     counters: AggregatorCounters,
     /// Delta buffers of applied rounds, reused for the next deltas (no fresh multi-MB
@@ -419,7 +421,21 @@ impl AggregatorState {
 
     /// Highest applied seq of `(node, layer)`, if any delta of it was applied.
     pub fn highest_applied_seq(&self, node: NodeId, layer_id: u32) -> Option<u64> {
-        self.highest_applied_seq.get(&(node, layer_id)).copied()
+        self.highest_applied_seq
+            .get(&layer_id)
+            .and_then(|l| l.get(&node))
+            .copied()
+    }
+
+    /// Records `seq` as applied for `(node, layer_id)` (the highest one is kept).
+    fn note_applied(&mut self, node: NodeId, layer_id: u32, seq: u64) {
+        let high = self
+            .highest_applied_seq
+            .entry(layer_id)
+            .or_default()
+            .entry(node)
+            .or_insert(seq);
+        *high = (*high).max(seq);
     }
 
     /// Next queued output, `None` when there is nothing to do.
@@ -528,7 +544,7 @@ impl AggregatorState {
             return self.reject(from, InputError::ZeroSamples { layer_id });
         }
 
-        let applied_high = self.highest_applied_seq.get(&(from, layer_id)).copied();
+        let applied_high = self.highest_applied_seq(from, layer_id);
         let in_round = layer
             .pending
             .iter()
@@ -735,14 +751,14 @@ impl AggregatorState {
 
     /// The at-most-once ledger of one layer, sorted by node (what a [`LayerVersion`] carries).
     fn applied_seqs(&self, layer_id: u32) -> Vec<AppliedSeq> {
-        let mut seqs: Vec<AppliedSeq> = self
-            .highest_applied_seq
-            .iter()
-            .filter(|((_, layer), _)| *layer == layer_id)
-            .map(|(&(node_id, _), &seq)| AppliedSeq { node_id, seq })
-            .collect();
-        seqs.sort_unstable_by_key(|a| a.node_id);
-        seqs
+        self.highest_applied_seq
+            .get(&layer_id)
+            .map(|l| {
+                l.iter()
+                    .map(|(&node_id, &seq)| AppliedSeq { node_id, seq })
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// The current version of an owned layer as a [`LayerVersion`] message (e.g. for a node
@@ -794,11 +810,7 @@ impl AggregatorState {
         if adopted {
             let li = self.index.get(&layer_id).copied();
             for a in applied {
-                let high = self
-                    .highest_applied_seq
-                    .entry((a.node_id, layer_id))
-                    .or_insert(a.seq);
-                *high = (*high).max(a.seq);
+                self.note_applied(a.node_id, layer_id, a.seq);
                 if let Some(li) = li {
                     self.layers[li].contributors.seed(a.node_id);
                 }
@@ -972,11 +984,7 @@ impl AggregatorState {
             staleness: applied.iter().map(|d| d.tau).collect(),
         }));
         for d in &applied {
-            let high = self
-                .highest_applied_seq
-                .entry((d.from, layer_id))
-                .or_insert(d.seq);
-            *high = (*high).max(d.seq);
+            self.note_applied(d.from, layer_id, d.seq);
             self.outputs.push_back(Output::Send {
                 to: d.from,
                 msg: Message::DeltaAck(DeltaAck {
@@ -1008,7 +1016,7 @@ impl AggregatorState {
         let mut seq_table: Vec<(u64, u32, u64)> = self
             .highest_applied_seq
             .iter()
-            .map(|(&(node, layer), &seq)| (node, layer, seq))
+            .flat_map(|(&layer, nodes)| nodes.iter().map(move |(&node, &seq)| (node, layer, seq)))
             .collect();
         seq_table.sort_unstable();
         let data = SnapshotData {
@@ -1047,7 +1055,11 @@ impl AggregatorState {
                 .map_err(|e| SnapshotError::Malformed(e.to_string()))?;
         }
         for (node, layer, seq) in data.seq_table {
-            state.highest_applied_seq.insert((node, layer), seq);
+            state
+                .highest_applied_seq
+                .entry(layer)
+                .or_default()
+                .insert(node, seq);
             if let Some(&li) = state.index.get(&layer) {
                 state.layers[li].contributors.seed(node);
             }

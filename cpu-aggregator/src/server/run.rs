@@ -135,6 +135,8 @@ struct Shell {
     shard: ShardStore,
     /// Ledger entries applied since the last commit (they go to the log with it).
     pending_ledger: Vec<AppliedEntry>,
+    /// The coordinator's certificate name: its subscription gets each version's ledger.
+    coordinator_name: String,
     conns: HashMap<u64, PeerConnection>,
     conn_node: HashMap<u64, u64>,
     node_conn: HashMap<u64, u64>,
@@ -163,6 +165,41 @@ struct Shell {
     awaiting_handover: HashMap<u32, (u64, Instant, Instant)>,
     /// Hand-overs that arrived before the map that gives us their layer.
     early_handovers: HashMap<u32, LayerVersion>,
+}
+
+/// The frames of one broadcast: the coordinator's, with the version's at-most-once ledger
+/// (it hands the ledger to the layer's next owner after a rebalance), and everyone else's,
+/// without it (no trainer reads it, and with a fleet it is 16 bytes per node that ever
+/// contributed to the layer, on every version to every subscriber).
+struct BroadcastFrames {
+    with_ledger: bytes::Bytes,
+    without_ledger: bytes::Bytes,
+}
+
+/// Encodes a broadcast once or twice (see [`BroadcastFrames`]); also returns the layer of
+/// a version (`None` for another message, e.g. a `Resync`: those are never superseded).
+fn broadcast_frames(msg: Message) -> Result<(Option<u32>, BroadcastFrames), protocol::FrameError> {
+    let Message::LayerVersion(mut v) = msg else {
+        let frame = bytes::Bytes::from(encode_frame(&msg)?);
+        let frames = BroadcastFrames {
+            with_ledger: frame.clone(),
+            without_ledger: frame,
+        };
+        return Ok((None, frames));
+    };
+    let layer = Some(v.layer_id);
+    let with_ledger = bytes::Bytes::from(encode_frame(&Message::LayerVersion(v.clone()))?);
+    let without_ledger = if v.applied_seqs.is_empty() {
+        with_ledger.clone()
+    } else {
+        v.applied_seqs = Vec::new();
+        bytes::Bytes::from(encode_frame(&Message::LayerVersion(v))?)
+    };
+    let frames = BroadcastFrames {
+        with_ledger,
+        without_ledger,
+    };
+    Ok((layer, frames))
 }
 
 /// Runs an aggregator until `shutdown` is cancelled.
@@ -233,6 +270,7 @@ pub async fn run_aggregator(
         initial,
         shard,
         pending_ledger: Vec::new(),
+        coordinator_name: config.node.coordinator_name.clone(),
         conns: HashMap::new(),
         conn_node: HashMap::new(),
         node_conn: HashMap::new(),
@@ -920,12 +958,8 @@ impl Shell {
                     });
                 }
                 Output::Broadcast { msg } => {
-                    let layer = match &msg {
-                        Message::LayerVersion(v) => v.layer_id,
-                        _ => u32::MAX,
-                    };
-                    let frame = match encode_frame(&msg) {
-                        Ok(f) => bytes::Bytes::from(f),
+                    let (layer, frames) = match broadcast_frames(msg) {
+                        Ok(v) => v,
                         Err(e) => {
                             error!("[ERROR] encoding a broadcast failed: {e}");
                             continue;
@@ -933,14 +967,23 @@ impl Shell {
                     };
                     let subscribers: Vec<u64> = self.subscribers.iter().copied().collect();
                     for conn in subscribers {
+                        let frame = if self.is_coordinator(conn) {
+                            frames.with_ledger.clone()
+                        } else {
+                            frames.without_ledger.clone()
+                        };
+                        let Some(layer) = layer else {
+                            self.send_frame(conn, frame);
+                            continue;
+                        };
                         match self.version_slots.get_mut(&(conn, layer)) {
                             // Busy: the newest version waits (replacing an older one).
                             Some(waiting) => {
-                                if waiting.replace(frame.clone()).is_some() {
+                                if waiting.replace(frame).is_some() {
                                     self.fanout.superseded += 1;
                                 }
                             }
-                            None => self.send_version(conn, layer, frame.clone()),
+                            None => self.send_version(conn, layer, frame),
                         }
                     }
                 }
@@ -948,6 +991,24 @@ impl Shell {
             }
         }
         Ok(())
+    }
+
+    /// Sends a frame that is not a layer version (never superseded, not paced).
+    fn send_frame(&self, conn: u64, frame: bytes::Bytes) {
+        let Some(link) = self.conns.get(&conn).cloned() else {
+            return;
+        };
+        let timeout = self.send_timeout;
+        tokio::spawn(async move {
+            let _ = link.send_frame_with_timeout(frame, timeout).await;
+        });
+    }
+
+    /// Whether connection `conn` is the coordinator's (its certificate name).
+    fn is_coordinator(&self, conn: u64) -> bool {
+        self.conns
+            .get(&conn)
+            .is_some_and(|c| c.peer_name() == self.coordinator_name)
     }
 
     /// Sends one layer-version frame to a subscriber; its completion frees the slot, but not
@@ -1162,6 +1223,48 @@ credentials = "x"
 "#
         );
         toml::from_str(&text).unwrap()
+    }
+
+    #[test]
+    fn only_the_coordinators_frame_of_a_version_carries_the_ledger() {
+        let ledger: Vec<protocol::AppliedSeq> = (0..1000)
+            .map(|node_id| protocol::AppliedSeq { node_id, seq: 7 })
+            .collect();
+        let version = Message::LayerVersion(LayerVersion {
+            aggregator_id: 2,
+            layer_id: 3,
+            layer_name: "fc2".into(),
+            version: 9,
+            shape: vec![4],
+            codec: protocol::Codec::RawF32,
+            payload: vec![0; 16],
+            applied_seqs: ledger.clone(),
+        });
+        let (layer, frames) = broadcast_frames(version).unwrap();
+        assert_eq!(layer, Some(3));
+        let decode = |frame: &bytes::Bytes| match protocol::decode_frame(frame).unwrap().0 {
+            Message::LayerVersion(v) => v,
+            other => panic!("not a version: {}", other.kind()),
+        };
+        assert_eq!(decode(&frames.with_ledger).applied_seqs, ledger);
+        let plain = decode(&frames.without_ledger);
+        assert!(plain.applied_seqs.is_empty());
+        assert_eq!((plain.version, plain.payload.len()), (9, 16));
+        assert!(
+            frames.without_ledger.len() + 16 * 1000 <= frames.with_ledger.len(),
+            "{} vs {}",
+            frames.without_ledger.len(),
+            frames.with_ledger.len()
+        );
+        let resync = Message::Resync(protocol::Resync {
+            layer_id: 3,
+            current_version: 9,
+            refused_seq: None,
+            reason: protocol::ResyncReason::AggregatorRestarted,
+        });
+        let (layer, frames) = broadcast_frames(resync).unwrap();
+        assert_eq!(layer, None, "a resync is never superseded by a version");
+        assert_eq!(frames.with_ledger, frames.without_ledger);
     }
 
     #[test]
