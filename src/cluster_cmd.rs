@@ -19,7 +19,6 @@ use edge_agent::runtime::config::{NodeSection, SyncSection, TrainingSection};
 use edge_agent::runtime::pacing::PaceSection;
 use edge_agent::runtime::NodeRunConfig;
 use node::cluster_model::read_toml;
-use node::layout::sync_layout;
 use relay::{spawn_relay, RelayConfig, RelayHandle};
 use serde::Serialize;
 use tokio::process::{Child, Command};
@@ -599,7 +598,7 @@ async fn run_cluster(
     let trainers_started_unix_s = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
-    let layout = sync_layout(&task.build_model(model.seed));
+    let layout = model.layout(&task.build_model(model.seed));
     let shard_sources = |aggregators: &[Proc]| -> Vec<ShardSource> {
         aggregators
             .iter()

@@ -9,7 +9,6 @@ use std::path::PathBuf;
 use anyhow::Result;
 use coordinator::{CoordinatorConfig, CoordinatorRunConfig, DivergenceConfig, LayerInfo};
 use node::cluster_model::{read_toml_with_overrides, ModelSection};
-use node::layout::sync_layout;
 use serde::{Deserialize, Serialize};
 use transport::TransportConfig;
 
@@ -65,7 +64,9 @@ pub fn run(args: ProcessArgs) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{}: {e}", args.config.display()))?;
     // The layer layout only needs the model's shapes, not the data set.
     let model = file.model.initial_model().map_err(anyhow::Error::msg)?;
-    let layers = sync_layout(&model)
+    let layers = file
+        .model
+        .layout(&model)
         .into_iter()
         .map(|l| LayerInfo {
             layer_id: l.layer_id,

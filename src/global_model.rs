@@ -60,7 +60,7 @@ pub fn read_global(
                 let newest = layer_versions.get(&id).is_none_or(|&v| view.version > v);
                 if newest {
                     layer_versions.insert(id, view.version);
-                    model.set_layer_values(def.model_index, view.values);
+                    node::layout::set_unit_values(model, def, view.values);
                 }
             }
         }

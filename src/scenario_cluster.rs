@@ -353,6 +353,7 @@ pub fn cluster_file(
             dataset: loaded.task.dataset.clone(),
             data_dir: loaded.data_dir.clone(),
             seed: s.seed,
+            sync_unit_kb: None,
         },
         training: TrainingDefaults {
             steps: s.max_steps,

@@ -543,6 +543,83 @@ fn a_layer_moving_back_to_a_restarted_aggregator_is_handed_over_in_two_phases() 
     );
 }
 
+#[test]
+fn a_large_layer_split_into_chunks_is_spread_over_both_aggregators_by_bytes() {
+    let dir = scratch("cluster-split");
+    let _cleanup = RemoveOnSuccess(dir.clone());
+    // MNIST's fc1 (784 x 512 + 512 values, 1.6 MB) in 4 chunks of at most 512 kB; the
+    // embedded digits' fc1 (64 x 128 + 128 values, 33 kB) in 3 chunks of at most 16 kB.
+    let unit_kb = if engine::data::locate::shared_mnist_dir().is_some() {
+        512
+    } else {
+        16
+    };
+    let text = two_aggregator_cluster("split", "").replace(
+        "dataset = \"auto\"\n",
+        &format!("dataset = \"auto\"\nsync_unit_kb = {unit_kb}\n"),
+    );
+    let file = dir.join("split.toml");
+    std::fs::write(&file, text).unwrap();
+    let out = dir.join("out");
+    let summary = run_cluster(&file, &out, &[]);
+    let status: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("status.json")).unwrap()).unwrap();
+    let layers = status["layers"].as_array().unwrap();
+    let chunks: Vec<&Value> = layers
+        .iter()
+        .filter(|l| l["name"].as_str().unwrap().starts_with("fc1["))
+        .collect();
+    assert!(chunks.len() >= 3, "fc1 is split: {status}");
+    // Each aggregator holds part of fc1, and neither holds much more than half the bytes.
+    let members = status["members"].as_array().unwrap();
+    let owned = |agg: &str| -> Vec<u64> {
+        let m = members.iter().find(|m| m["name"] == agg).unwrap();
+        m["owned_layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect()
+    };
+    let (a1, a2) = (owned("agg-1"), owned("agg-2"));
+    let fc1_ids: Vec<u64> = chunks
+        .iter()
+        .map(|c| c["layer_id"].as_u64().unwrap())
+        .collect();
+    assert!(
+        fc1_ids.iter().any(|id| a1.contains(id)) && fc1_ids.iter().any(|id| a2.contains(id)),
+        "fc1's chunks on both aggregators: {a1:?} {a2:?} {fc1_ids:?}"
+    );
+    let bytes = |ids: &[u64]| -> u64 {
+        layers
+            .iter()
+            .filter(|l| ids.contains(&l["layer_id"].as_u64().unwrap()))
+            .map(|l| {
+                l["shape"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|d| d.as_u64().unwrap())
+                    .product::<u64>()
+                    * 4
+            })
+            .sum()
+    };
+    let (b1, b2) = (bytes(&a1), bytes(&a2));
+    assert!(
+        b1.max(b2) as f64 <= 0.6 * (b1 + b2) as f64,
+        "balanced by bytes: {b1} vs {b2}"
+    );
+    for name in ["node-1", "edge-1"] {
+        assert_eq!(node(&summary, name)["undelivered"], 0, "{summary}");
+    }
+    assert_eq!(summary["ledger_duplicates"], 0, "{summary}");
+    assert!(
+        summary["final_accuracy"].as_f64().unwrap() > 0.8,
+        "{summary}"
+    );
+}
+
 fn free_port() -> SocketAddr {
     std::net::UdpSocket::bind("127.0.0.1:0")
         .unwrap()

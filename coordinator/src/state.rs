@@ -674,13 +674,21 @@ impl CoordinatorState {
     /// the layers that moved.
     fn recompute_map(&mut self) -> Option<Vec<LayerMove>> {
         let layer_ids: Vec<u32> = self.layers.keys().copied().collect();
+        let sized: Vec<(u32, u64)> = self
+            .layers
+            .values()
+            .map(|l| {
+                let values: u64 = l.shape.iter().map(|&d| u64::from(d)).product();
+                (l.layer_id, values * 4)
+            })
+            .collect();
         let aggregators: Vec<u64> = self
             .members
             .values()
             .filter(|m| m.role == Role::Aggregator)
             .map(|m| m.node_id)
             .collect();
-        let owners = layer_map::assign_owners(&layer_ids, &aggregators);
+        let owners = layer_map::assign_owners(&sized, &aggregators);
         let addrs = self.aggregator_addrs();
         if owners == self.owners && addrs == self.published_addrs {
             return None;

@@ -14,6 +14,7 @@ use engine::models::gpt::{gpt_tiny, GptConfig};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::layout::{sync_layout_split, SyncLayerDef};
 use crate::task::{load_data, resolve_dataset, ModelKind, Task};
 
 /// Side of an MNIST image (28 × 28 pixels, one channel).
@@ -134,6 +135,11 @@ pub struct ModelSection {
     /// Seed of the initial weights and data order (must be the same on every process).
     #[serde(default = "default_seed")]
     pub seed: u64,
+    /// Largest sync unit, kB of f32 values: a larger layer is split into row-aligned chunks,
+    /// each synchronized (and placed on an aggregator) on its own, so one large layer is
+    /// spread over several aggregators. Unset: whole layers. The same on every process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_unit_kb: Option<u64>,
 }
 
 fn default_dataset() -> String {
@@ -187,7 +193,16 @@ impl ModelSection {
             dataset,
             data_dir,
             seed: self.seed,
+            sync_unit_kb: self.sync_unit_kb,
         })
+    }
+
+    /// The cluster's sync layout of `model` (split by [`Self::sync_unit_kb`]).
+    pub fn layout(&self, model: &Model) -> Vec<SyncLayerDef> {
+        let max_values = self
+            .sync_unit_kb
+            .map(|kb| usize::try_from(kb.saturating_mul(1024) / 4).unwrap_or(usize::MAX));
+        sync_layout_split(model, max_values)
     }
 }
 
@@ -359,6 +374,7 @@ mod tests {
             dataset: dataset.into(),
             data_dir,
             seed: 7,
+            sync_unit_kb: None,
         }
     }
 

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 
 use node::cluster_model::ModelSection;
-use node::layout::{sync_layout, SyncLayerDef};
+use node::layout::{unit_values, SyncLayerDef};
 
 /// The cluster's sync layout and initial layer values, built on first use.
 #[derive(Debug)]
@@ -41,10 +41,10 @@ impl InitialLayers {
     pub fn build(&mut self) -> Result<(), String> {
         if self.built.is_none() {
             let model = self.model.initial_model()?;
-            let layout = sync_layout(&model);
+            let layout = self.model.layout(&model);
             let values = layout
                 .iter()
-                .map(|l| (l.layer_id, model.layer_values(l.model_index)))
+                .map(|l| (l.layer_id, unit_values(&model, l)))
                 .collect();
             self.built = Some(Built { layout, values });
         }
@@ -78,6 +78,7 @@ mod tests {
             dataset: "digits".into(),
             data_dir: None,
             seed: 3,
+            sync_unit_kb: None,
         }
     }
 

@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Instant;
 
-use engine::replica::{read_unit, write_unit, ModelReplica, UnitData};
-use node::layout::SyncLayerDef;
+use engine::replica::ModelReplica;
+use node::layout::{read_sync_unit, write_sync_unit, SyncLayerDef};
 use node::training::LeaderHook;
 use protocol::{Message, NodeStats, Role};
 use tracing::{debug, error, info, warn};
@@ -391,13 +391,13 @@ impl SyncDriver {
         changed: &mut Vec<usize>,
     ) -> Result<(), String> {
         let (layer_id, index) = (self.layers[li].layer_id, self.layers[li].model_index);
-        self.scratch = read_unit(model, index, UnitData::Values);
+        self.scratch = read_sync_unit(model, &self.layers[li]);
         match self
             .client
             .apply_version(layer_id, &mut self.scratch, &values, version)
         {
             Ok(true) => {
-                write_unit(model, index, UnitData::Values, &self.scratch);
+                write_sync_unit(model, &self.layers[li], &self.scratch);
                 self.globals[li] = Some(values);
                 self.counters.versions_applied += 1;
                 if !changed.contains(&index) {
@@ -490,7 +490,7 @@ impl SyncDriver {
         self.divergence.clear();
         for (l, global) in self.layers.iter().zip(&self.globals) {
             let Some(global) = global else { continue };
-            let theta = read_unit(model, l.model_index, UnitData::Values);
+            let theta = read_sync_unit(model, l);
             if let Some(d) = engine::divergence::relative_distance(&theta, global) {
                 self.divergence.push((l.layer_id, d));
             }
@@ -562,7 +562,7 @@ impl SyncDriver {
         let mut values: HashMap<u32, Vec<f32>> = HashMap::new();
         for id in self.client.layers_to_read(step) {
             if let Some(&i) = by_id.get(&id) {
-                let theta = read_unit(model, layers[i].model_index, UnitData::Values);
+                let theta = read_sync_unit(model, &layers[i]);
                 let theta = match (&self.top_k, self.client.anchor(id)) {
                     (Some(top_k), Some(anchor)) if anchor.len() == theta.len() => top_k
                         .sparsify(&theta, anchor)
@@ -613,12 +613,19 @@ impl LeaderHook for SyncDriver {
         self.fatal.is_some()
     }
 
+    /// Per model layer: the smallest scale of its units (a split layer is damped as much
+    /// as its stalest chunk).
     fn lr_scales(&self) -> Vec<(usize, f32)> {
-        self.layers
-            .iter()
-            .map(|l| (l.model_index, self.client.lr_scale(l.layer_id)))
-            .filter(|&(_, f)| f != 1.0)
-            .collect()
+        let mut scales: Vec<(usize, f32)> = Vec::new();
+        for l in &self.layers {
+            let f = self.client.lr_scale(l.layer_id);
+            match scales.iter_mut().find(|(i, _)| *i == l.model_index) {
+                Some((_, s)) => *s = s.min(f),
+                None => scales.push((l.model_index, f)),
+            }
+        }
+        scales.retain(|&(_, f)| f != 1.0);
+        scales
     }
 }
 

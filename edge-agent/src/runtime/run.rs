@@ -13,7 +13,7 @@ use engine::lr::LrSchedule;
 use engine::optim::OptimizerConfig;
 use engine::replica::{read_unit, BuiltinReplica, ModelReplica, UnitData};
 use node::backend::Backend;
-use node::layout::{check_units_match, sync_layout, SyncLayerDef};
+use node::layout::{check_units_match, SyncLayerDef};
 use node::task::Task;
 use node::training::{run_node_training, LeaderHook, NodeTrainConfig};
 use protocol::{Capabilities, Role};
@@ -324,6 +324,7 @@ pub(crate) fn build_sync_client(
                 .sync
                 .deadline_ms_by_layer
                 .get(&l.name)
+                .or_else(|| config.sync.deadline_ms_by_layer.get(&l.layer_name))
                 .copied()
                 .unwrap_or(config.sync.deadline_ms)
                 * 1_000_000,
@@ -332,6 +333,7 @@ pub(crate) fn build_sync_client(
                 .sync
                 .max_stale_steps_by_layer
                 .get(&l.name)
+                .or_else(|| config.sync.max_stale_steps_by_layer.get(&l.layer_name))
                 .copied()
                 .or(config.sync.max_stale_steps),
             matrix_rows: l.matrix_rows,
@@ -346,7 +348,7 @@ pub(crate) fn build_sync_client(
         .zip(layout)
         .map(|(spec, l)| LayerInit {
             spec,
-            values: model.layer_values(l.model_index),
+            values: node::layout::unit_values(model, l),
             version: 0,
         })
         .collect();
@@ -451,7 +453,7 @@ pub fn run_node_until(
         .map_err(|e| NodeRunError::Training(format!("[training] backend/device: {e}")))?;
     let task = config.model.load_task().map_err(NodeRunError::Data)?;
     let model = task.build_model(config.model.seed);
-    let layout: Vec<SyncLayerDef> = sync_layout(&model);
+    let layout: Vec<SyncLayerDef> = config.model.layout(&model);
     // A backend that would exchange other tensors than the cluster's layout never starts.
     let probe = backend
         .build_replica(&task, config.model.seed, &OptimizerConfig::sgd())

@@ -19,7 +19,7 @@ use engine::checkpoint::NamedTensor;
 use engine::model::{LayerInfo, Model};
 use engine::replica::{ModelReplica, ReplicaError, UnitData, UnitMut};
 use engine::tensor::Tensor;
-use node::layout::{sync_layout, SyncLayerDef};
+use node::layout::SyncLayerDef;
 use protocol::Role;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
@@ -385,7 +385,7 @@ pub fn run_swarm(
         .model
         .initial_model()
         .map_err(NodeRunError::Data)?;
-    let layout = sync_layout(&model);
+    let layout = config.template.model.layout(&model);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.swarm.network_threads.max(1))
         .enable_all()
