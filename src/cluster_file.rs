@@ -104,9 +104,9 @@ impl SwarmSpec {
     /// endpoint's receive buffer is sized from the largest payload: 2 MiB at quinn's default).
     pub fn default_transport() -> TransportSection {
         TransportSection {
-            stream_receive_window: Some(2 << 20),
-            receive_window: Some(4 << 20),
-            send_window: Some(4 << 20),
+            stream_receive_window: Some(transport::EDGE_STREAM_WINDOW),
+            receive_window: Some(transport::EDGE_CONNECTION_WINDOW),
+            send_window: Some(transport::EDGE_CONNECTION_WINDOW),
             max_udp_payload: Some(1472),
             ..TransportSection::default()
         }

@@ -170,8 +170,17 @@ pub struct TransportSectionError {
 impl TransportSection {
     /// The transport settings these keys ask for (defaults for the rest), validated.
     pub fn to_config(&self) -> Result<TransportConfig, TransportSectionError> {
+        self.to_config_over(TransportConfig::default())
+    }
+
+    /// [`Self::to_config`] over other defaults than [`TransportConfig::default`] (e.g.
+    /// [`TransportConfig::edge_device`] for an edge agent).
+    pub fn to_config_over(
+        &self,
+        base: TransportConfig,
+    ) -> Result<TransportConfig, TransportSectionError> {
         let err = |key, value: String, why: String| TransportSectionError { key, value, why };
-        let mut config = TransportConfig::default();
+        let mut config = base;
         for (key, value) in [("link_mbps", self.link_mbps), ("rtt_ms", self.rtt_ms)] {
             if let Some(v) = value {
                 if !(v.is_finite() && v > 0.0) {
@@ -283,7 +292,27 @@ impl Default for TransportConfig {
     }
 }
 
+/// Per-stream receive window of an edge device without link figures (2 MiB).
+pub const EDGE_STREAM_WINDOW: u64 = 2 << 20;
+/// Connection receive and send windows of an edge device without link figures (4 MiB).
+pub const EDGE_CONNECTION_WINDOW: u64 = 4 << 20;
+
 impl TransportConfig {
+    /// The defaults of an edge agent, a constrained device: 2 MiB stream and 4 MiB
+    /// connection windows. The windows bound what QUIC buffers per connection, unacknowledged
+    /// sends and out-of-order receives alike: on a lossy link the 16/64/64 MiB server
+    /// defaults let an MNIST edge agent's resident memory grow by ~80 MB with its traffic in
+    /// flight (docs/cluster.md, "Edge agent memory"). 4 MiB still covers a 160 Mbit/s link at
+    /// 200 ms of round trip; link figures (`link_mbps`, `rtt_ms`) size them instead.
+    pub fn edge_device() -> Self {
+        TransportConfig {
+            stream_receive_window: EDGE_STREAM_WINDOW,
+            receive_window: EDGE_CONNECTION_WINDOW,
+            send_window: EDGE_CONNECTION_WINDOW,
+            ..TransportConfig::default()
+        }
+    }
+
     /// Check the values are consistent and representable in QUIC.
     pub fn validate(&self) -> Result<(), TransportError> {
         let invalid = |reason: String| Err(TransportError::InvalidConfig(reason));
@@ -376,6 +405,40 @@ impl TransportConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_edge_device_gets_small_windows_unless_its_keys_or_link_figures_say_otherwise() {
+        let edge = TransportConfig::edge_device();
+        assert_eq!(
+            (
+                edge.stream_receive_window,
+                edge.receive_window,
+                edge.send_window
+            ),
+            (2 << 20, 4 << 20, 4 << 20)
+        );
+        assert!(edge.validate().is_ok());
+        let none = TransportSection::default();
+        assert_eq!(none.to_config_over(edge.clone()).unwrap(), edge);
+        assert_eq!(none.to_config().unwrap(), TransportConfig::default());
+        let keys = TransportSection {
+            send_window: Some(8 << 20),
+            ..TransportSection::default()
+        };
+        let c = keys.to_config_over(edge.clone()).unwrap();
+        assert_eq!((c.receive_window, c.send_window), (4 << 20, 8 << 20));
+        let link = TransportSection {
+            link_mbps: Some(1000.0),
+            rtt_ms: Some(100.0),
+            ..TransportSection::default()
+        };
+        let c = link.to_config_over(edge).unwrap();
+        let w = LinkWindows::for_link(1000.0, 100.0);
+        assert_eq!(
+            (c.stream_receive_window, c.send_window),
+            (w.stream_receive_window, w.send_window)
+        );
+    }
 
     #[test]
     fn default_is_valid_and_matches_the_protocol_limit() {

@@ -38,7 +38,7 @@ pub use certs::{
     create_cluster_certs, create_cluster_certs_valid_for, validate_node_name, TlsIdentity,
     DEFAULT_CERT_LIFETIME,
 };
-pub use config::{Congestion, TransportConfig};
+pub use config::{Congestion, TransportConfig, EDGE_CONNECTION_WINDOW, EDGE_STREAM_WINDOW};
 pub use connection::{PeerConnection, SentStream};
 pub use error::{CertError, TransportError};
 pub use node::QuicNode;

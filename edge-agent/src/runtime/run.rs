@@ -411,15 +411,21 @@ pub(crate) fn build_driver(
 }
 
 /// Binds a node's QUIC endpoint with its certificate and `[transport]` settings, on
-/// `runtime`.
+/// `runtime`. An edge agent's unset windows are a constrained device's
+/// ([`transport::TransportConfig::edge_device`]), a worker node's the server defaults.
 pub(crate) fn bind_node_quic(
     config: &NodeRunConfig,
+    role: Role,
     runtime: &tokio::runtime::Runtime,
 ) -> Result<Arc<QuicNode>, NodeRunError> {
     let identity = TlsIdentity::in_dir(&config.node.certs_dir, &config.node.name);
+    let base = match role {
+        Role::Edge => transport::TransportConfig::edge_device(),
+        _ => transport::TransportConfig::default(),
+    };
     let transport = config
         .transport
-        .to_config()
+        .to_config_over(base)
         .map_err(|e| NodeRunError::Config(e.to_string()))?;
     let _guard = runtime.enter();
     Ok(Arc::new(QuicNode::bind(
@@ -484,7 +490,7 @@ pub fn run_node_until(
         .enable_all()
         .build()
         .map_err(io(Path::new("tokio runtime")))?;
-    let quic = bind_node_quic(config, &runtime)?;
+    let quic = bind_node_quic(config, role, &runtime)?;
     let (events_tx, events_rx) = std::sync::mpsc::channel();
     let (net_config, capabilities) = net_config(config, role);
     let net = runtime.block_on(start_node_net(

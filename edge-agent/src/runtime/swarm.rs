@@ -324,7 +324,7 @@ fn start_member(
     let (cache, cached) =
         open_node_cache(&c.node.data_dir.join("cache"), c.sync.cache_capacity_mb)?;
     let incarnation = next_incarnation(&c.node.data_dir)?;
-    let quic = bind_node_quic(&c, runtime)?;
+    let quic = bind_node_quic(&c, Role::Edge, runtime)?;
     let (events_tx, events_rx) = std::sync::mpsc::channel();
     let (net_cfg, capabilities) = net_config(&c, Role::Edge);
     let net = runtime.block_on(async {
