@@ -404,6 +404,8 @@ fn aggregation_section(config: &AggregatorConfig) -> AggregationSection {
         },
         min_round_senders: config.min_round_senders,
         broadcast_interval_ms: 0,
+        // The simulator's aggregator sends every version at once: so does this one.
+        fanout_per_layer_per_s: 0,
     }
 }
 

@@ -152,8 +152,22 @@ fn a_swarm_of_clients_loads_real_aggregators_and_loses_nothing() {
 /// the run still delivers everything.
 #[test]
 fn a_broadcast_interval_bounds_what_each_subscriber_receives() {
-    let dir = scratch("swarm-interval");
-    let s = run(&dir, &swarm_file("broadcast_interval_ms = 1000"));
+    assert_one_version_per_layer_and_second("swarm-interval", "broadcast_interval_ms = 1000");
+}
+
+/// The fan-out budget does the same without an interval: 24 versions of a layer per second
+/// shared by 24 clients and the coordinator is one per subscriber and second at most.
+#[test]
+fn the_fanout_budget_bounds_what_each_subscriber_receives() {
+    assert_one_version_per_layer_and_second(
+        "swarm-fanout",
+        "broadcast_interval_ms = 0\nfanout_per_layer_per_s = 24",
+    );
+}
+
+fn assert_one_version_per_layer_and_second(name: &str, aggregation: &str) {
+    let dir = scratch(name);
+    let s = run(&dir, &swarm_file(aggregation));
     assert!(s["problems"].as_array().unwrap().is_empty(), "{s}");
     assert_eq!(s["ledger_entries"], s["deltas_acked"], "{s}");
     let wall = s["trainers_seconds"].as_f64().unwrap();

@@ -91,6 +91,33 @@ pub struct AggregationSection {
     /// the subscriber took the previous one.
     #[serde(default)]
     pub broadcast_interval_ms: u64,
+    /// The most versions of one layer this aggregator sends per second over all its
+    /// subscribers together: each subscriber's interval between two versions of a layer is
+    /// at least subscribers / this (and at least `broadcast_interval_ms`), so the fan-out
+    /// stays bounded as the fleet grows (1,000 by default: 4 ms with 3 subscribers, about
+    /// 1 s with 1,000). 0: no bound but `broadcast_interval_ms`.
+    #[serde(default = "default_fanout_per_layer_per_s")]
+    pub fanout_per_layer_per_s: u64,
+}
+
+fn default_fanout_per_layer_per_s() -> u64 {
+    1000
+}
+
+/// The shortest time between two versions of one layer sent to one subscriber: the
+/// configured interval, or the fan-out budget shared by `subscribers`, whichever is longer.
+pub fn version_interval(
+    broadcast_interval_ms: u64,
+    fanout_per_layer_per_s: u64,
+    subscribers: usize,
+) -> std::time::Duration {
+    let configured = std::time::Duration::from_millis(broadcast_interval_ms);
+    if fanout_per_layer_per_s == 0 {
+        return configured;
+    }
+    let shared =
+        std::time::Duration::from_secs_f64(subscribers as f64 / fanout_per_layer_per_s as f64);
+    configured.max(shared)
 }
 
 fn default_rule() -> String {
@@ -272,5 +299,19 @@ credentials = "token"
         let e = load(&format!("{GOOD}\n[transport]\nrtt = 5\n")).unwrap_err();
         assert!(e.to_string().contains("rtt"), "{e}");
         let _ = parse_toml::<AggregatorRunConfig>(GOOD, Path::new("x")).unwrap();
+    }
+
+    #[test]
+    fn the_version_interval_grows_with_the_subscribers_under_the_fanout_budget() {
+        use std::time::Duration;
+        let a = AggregationSection::default();
+        assert_eq!(a.fanout_per_layer_per_s, 1000);
+        assert_eq!(a.broadcast_interval_ms, 0);
+        assert_eq!(version_interval(0, 1000, 4), Duration::from_millis(4));
+        assert_eq!(version_interval(0, 1000, 1000), Duration::from_secs(1));
+        // The configured interval wins when it is longer; 0 turns the budget off.
+        assert_eq!(version_interval(500, 1000, 4), Duration::from_millis(500));
+        assert_eq!(version_interval(0, 0, 1000), Duration::ZERO);
+        assert_eq!(version_interval(0, 1000, 0), Duration::ZERO);
     }
 }

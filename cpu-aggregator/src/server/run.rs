@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 use transport::{PeerConnection, QuicNode, TlsIdentity};
 
-use super::config::AggregatorRunConfig;
+use super::config::{version_interval, AggregatorRunConfig};
 use super::initial::InitialLayers;
 use super::shard_file::{AppliedEntry, ShardFileError, ShardStore};
 use crate::config::{AggregatorConfig, OwnedLayer};
@@ -150,7 +150,9 @@ struct Shell {
     resumed: bool,
     send_timeout: Duration,
     /// `[aggregation] broadcast_interval_ms`.
-    broadcast_interval: Duration,
+    broadcast_interval_ms: u64,
+    /// `[aggregation] fanout_per_layer_per_s`.
+    fanout_per_layer_per_s: u64,
     /// Per (subscriber, layer): a version send is in progress, and the newest frame waiting
     /// behind it (older waiting versions are superseded, never queued: a slow subscriber
     /// gets the latest version, not a backlog).
@@ -282,7 +284,8 @@ pub async fn run_aggregator(
         bad_peers: 0,
         resumed,
         send_timeout: Duration::from_secs(10),
-        broadcast_interval: Duration::from_millis(config.aggregation.broadcast_interval_ms),
+        broadcast_interval_ms: config.aggregation.broadcast_interval_ms,
+        fanout_per_layer_per_s: config.aggregation.fanout_per_layer_per_s,
         version_slots: HashMap::new(),
         fanout: Fanout::default(),
         inbound_tx: tx.clone(),
@@ -1012,8 +1015,9 @@ impl Shell {
     }
 
     /// Sends one layer-version frame to a subscriber; its completion frees the slot, but not
-    /// before `broadcast_interval` has passed since the send began (newer versions wait in
-    /// the slot meanwhile, the newest replacing the older).
+    /// before the version interval has passed since the send began (`broadcast_interval_ms`,
+    /// or the fan-out budget shared by the subscribers, whichever is longer; newer versions
+    /// wait in the slot meanwhile, the newest replacing the older).
     fn send_version(&mut self, conn: u64, layer: u32, frame: bytes::Bytes) {
         let Some(link) = self.conns.get(&conn).cloned() else {
             return;
@@ -1022,7 +1026,11 @@ impl Shell {
         self.fanout.sends += 1;
         self.fanout.bytes += frame.len() as u64;
         let timeout = self.send_timeout;
-        let interval = self.broadcast_interval;
+        let interval = version_interval(
+            self.broadcast_interval_ms,
+            self.fanout_per_layer_per_s,
+            self.subscribers.len(),
+        );
         let done = self.inbound_tx.clone();
         tokio::spawn(async move {
             let started = tokio::time::Instant::now();
