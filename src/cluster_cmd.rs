@@ -576,6 +576,7 @@ async fn run_cluster(
                     driver_threads: sw.driver_threads,
                     network_threads: sw.network_threads,
                     join_spread_ms: sw.join_spread_ms,
+                    nice: sw.nice,
                 },
                 clients,
             };

@@ -75,6 +75,11 @@ pub struct SwarmSpec {
     /// Joins of one process are spread over this many milliseconds.
     #[serde(default = "default_join_spread_ms")]
     pub join_spread_ms: u64,
+    /// The swarm processes' CPU niceness (0–19; default 10): they stand in for devices on
+    /// other machines, so on this one they yield the CPU to the coordinator and the
+    /// aggregators under test. 0 runs them at the servers' priority.
+    #[serde(default = "default_swarm_nice")]
+    pub nice: i32,
     /// QUIC settings of every client (default: the windows of a constrained edge device,
     /// [`SwarmSpec::default_transport`]).
     #[serde(default)]
@@ -86,6 +91,9 @@ fn default_swarm_processes() -> usize {
 }
 fn default_swarm_threads() -> usize {
     2
+}
+fn default_swarm_nice() -> i32 {
+    10
 }
 fn default_join_spread_ms() -> u64 {
     2_000
@@ -394,6 +402,12 @@ pub fn validate(file: &ClusterFile) -> Result<()> {
         if s.step_ms == 0 || s.driver_threads == 0 || s.network_threads == 0 {
             bail!("[swarm] step_ms, driver_threads and network_threads must be at least 1");
         }
+        if !(0..=19).contains(&s.nice) {
+            bail!(
+                "[swarm] nice = {}: must be 0 (the servers' priority) to 19 (the lowest); raising a process's priority needs privileges a load test should not have",
+                s.nice
+            );
+        }
     }
     file.divergence.validate().map_err(anyhow::Error::msg)?;
     let mut names: Vec<&str> = vec!["coordinator"];
@@ -561,5 +575,25 @@ down = { latency_ms = 20, bandwidth = "2mbit" }
         assert!((mbps - 12.0).abs() < 1e-9, "{mbps}");
         assert_eq!(rtt, 40.0);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_swarm_niceness_outside_0_to_19_is_refused_by_name() {
+        let text = |nice: i32| {
+            format!(
+                "[cluster]\nname = \"s\"\n[model]\nmodel = \"mlp\"\ndataset = \"digits\"\n\
+                 [training]\nsteps = 4\n[[aggregators]]\nname = \"agg-1\"\n\
+                 [swarm]\nclients = 2\nstep_ms = 100\nprocesses = 1\nnice = {nice}\n"
+            )
+        };
+        let file: ClusterFile = toml::from_str(&text(10)).unwrap();
+        validate(&file).unwrap();
+        for bad in [-5, 20] {
+            let file: ClusterFile = toml::from_str(&text(bad)).unwrap();
+            let e = validate(&file).unwrap_err().to_string();
+            assert!(e.contains("[swarm] nice"), "{e}");
+        }
+        let default: ClusterFile = toml::from_str(&text(0).replace("nice = 0\n", "")).unwrap();
+        assert_eq!(default.swarm.unwrap().nice, 10);
     }
 }

@@ -105,6 +105,7 @@ pub fn swarm(args: ProcessArgs) -> Result<()> {
     let text = node::cluster_model::apply_overrides(&text, &args.config, &args.set)?;
     let config: edge_agent::runtime::swarm::SwarmRunConfig =
         node::cluster_model::parse_toml(&text, &args.config)?;
+    lower_cpu_priority(config.swarm.nice)?;
     let stop = stop_on_sigterm()?;
     let summary = edge_agent::runtime::swarm::run_swarm(&config, stop)
         .with_context(|| format!("swarm {}", config.template.node.name))?;
@@ -114,6 +115,26 @@ pub fn swarm(args: ProcessArgs) -> Result<()> {
             summary.name,
             summary.failed,
             summary.clients
+        );
+    }
+    Ok(())
+}
+
+/// Sets this thread's niceness to `nice` (0–19) before any other thread starts, so every
+/// thread of the process inherits it (Linux keeps a niceness per thread).
+fn lower_cpu_priority(nice: i32) -> Result<()> {
+    if !(0..=19).contains(&nice) {
+        anyhow::bail!("swarm.nice = {nice}: must be 0 (unchanged) to 19 (the lowest priority)");
+    }
+    if nice == 0 {
+        return Ok(());
+    }
+    // SAFETY: setpriority only reads its integer arguments; `who` 0 is the calling thread.
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        tracing::warn!(
+            "[WARN] swarm.nice = {nice} not applied ({e}); the swarm runs at the servers' priority"
         );
     }
     Ok(())

@@ -65,6 +65,11 @@ pub struct SwarmSection {
     /// test of its own).
     #[serde(default = "default_join_spread_ms")]
     pub join_spread_ms: u64,
+    /// The process's CPU niceness (`nice`, 0–19): the swarm stands in for devices on other
+    /// machines, so on a shared host it yields the CPU to the servers under test. 0: the
+    /// servers' priority. The process sets it itself at start (`dreamddp swarm`).
+    #[serde(default)]
+    pub nice: i32,
 }
 
 fn default_driver_threads() -> usize {
