@@ -6,9 +6,11 @@
 //! saturated machine) and has not answered within [`FRESH_WAIT`], the handler answers with
 //! the last report it has, if it is younger than [`MAX_STALE`], and the pending request
 //! refreshes that report for the next caller. The `x-report-age-ms` header says how old the
-//! answer is (0: made for this request).
+//! answer is (0: made for this request). A report's JSON is rendered once and kept with it,
+//! so the answers made from the last report cost no serialization (with 1,000 nodes it is
+//! 640 kB).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
@@ -27,7 +29,7 @@ pub(crate) type StatusRequest = oneshot::Sender<StatusReport>;
 const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// How long a handler waits for a fresh report before it answers with the last one.
-pub(crate) const FRESH_WAIT: Duration = Duration::from_millis(40);
+pub(crate) const FRESH_WAIT: Duration = Duration::from_millis(20);
 
 /// The oldest last report a handler answers with; older, it waits for a fresh one.
 pub(crate) const MAX_STALE: Duration = Duration::from_secs(5);
@@ -35,8 +37,24 @@ pub(crate) const MAX_STALE: Duration = Duration::from_secs(5);
 /// The header that says how old the answer is, in milliseconds.
 const AGE_HEADER: HeaderName = HeaderName::from_static("x-report-age-ms");
 
+/// A report and its JSON, rendered on first use.
+struct Rendered {
+    report: StatusReport,
+    json: OnceLock<Result<axum::body::Bytes, String>>,
+}
+
+impl Rendered {
+    fn json(&self) -> &Result<axum::body::Bytes, String> {
+        self.json.get_or_init(|| {
+            serde_json::to_vec(&self.report)
+                .map(axum::body::Bytes::from)
+                .map_err(|e| e.to_string())
+        })
+    }
+}
+
 /// The newest report and when it was made.
-type LastReport = Arc<Mutex<Option<(Instant, Arc<StatusReport>)>>>;
+type LastReport = Arc<Mutex<Option<(Instant, Arc<Rendered>)>>>;
 
 #[derive(Clone)]
 struct AppState {
@@ -66,14 +84,17 @@ fn unavailable() -> Response {
 
 /// A fresh report, or the last one when the state task is busy (see the module docs), with
 /// its age in milliseconds.
-async fn current_report(app: &AppState) -> Result<(Arc<StatusReport>, u64), Response> {
+async fn current_report(app: &AppState) -> Result<(Arc<Rendered>, u64), Response> {
     let (reply, answer) = oneshot::channel();
     app.requests.send(reply).await.map_err(|_| unavailable())?;
     let last = Arc::clone(&app.last);
     // The answer is stored by a task of its own, so a request that times out here still
     // refreshes the last report when the state task gets to it.
     let mut fresh = tokio::spawn(async move {
-        let report = Arc::new(answer.await.ok()?);
+        let report = Arc::new(Rendered {
+            report: answer.await.ok()?,
+            json: OnceLock::new(),
+        });
         if let Ok(mut slot) = last.lock() {
             *slot = Some((Instant::now(), Arc::clone(&report)));
         }
@@ -100,13 +121,13 @@ async fn current_report(app: &AppState) -> Result<(Arc<StatusReport>, u64), Resp
 
 async fn status(State(app): State<AppState>) -> Response {
     match current_report(&app).await {
-        Ok((report, age_ms)) => match serde_json::to_vec(&*report) {
+        Ok((rendered, age_ms)) => match rendered.json() {
             Ok(body) => (
                 [
                     (header::CONTENT_TYPE, "application/json".to_string()),
                     (AGE_HEADER, age_ms.to_string()),
                 ],
-                body,
+                body.clone(),
             )
                 .into_response(),
             Err(e) => (
@@ -126,7 +147,7 @@ async fn metrics(State(app): State<AppState>) -> Response {
                 (header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE.to_string()),
                 (AGE_HEADER, age_ms.to_string()),
             ],
-            prometheus_text(&report),
+            prometheus_text(&report.report),
         )
             .into_response(),
         Err(response) => response,
@@ -176,7 +197,9 @@ mod tests {
         let app = state_task(Arc::clone(&delay));
         // Idle: a fresh report, remembered.
         let (report, age) = current_report(&app).await.unwrap();
-        assert_eq!((age, report.layers.len()), (0, 1));
+        assert_eq!((age, report.report.layers.len()), (0, 1));
+        let json = report.json().as_ref().unwrap();
+        assert!(serde_json::from_slice::<serde_json::Value>(json).is_ok());
         let first = made_at(&app).expect("the fresh report is kept");
 
         // Busy for 600 ms: the last report answers within the wait, not after 600 ms.
