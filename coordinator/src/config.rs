@@ -19,6 +19,13 @@ pub struct LayerInfo {
     pub shape: Vec<u32>,
 }
 
+impl LayerInfo {
+    /// Bytes of the layer's f32 values (what the layer map balances).
+    pub fn bytes(&self) -> u64 {
+        self.shape.iter().map(|&d| u64::from(d)).product::<u64>() * 4
+    }
+}
+
 /// What the coordinator state machine needs to run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CoordinatorConfig {

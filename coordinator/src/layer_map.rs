@@ -91,15 +91,6 @@ pub fn assign_owners(layers: &[(u32, u64)], aggregators: &[u64]) -> Owners {
     owners
 }
 
-/// Bytes each aggregator of `owners` holds (`sizes`: `layer_id → bytes`).
-pub fn loads(owners: &Owners, sizes: &BTreeMap<u32, u64>) -> BTreeMap<u64, u64> {
-    let mut out = BTreeMap::new();
-    for (layer, agg) in owners {
-        *out.entry(*agg).or_insert(0) += sizes.get(layer).copied().unwrap_or(0);
-    }
-    out
-}
-
 /// Layers of `layers` whose owner differs between `old` and `new`, in layer order.
 pub fn moves(layers: &[u32], old: &Owners, new: &Owners) -> Vec<LayerMove> {
     layers
@@ -120,6 +111,15 @@ mod tests {
 
     fn equal(n: u32) -> Vec<(u32, u64)> {
         (0..n).map(|id| (id, 100)).collect()
+    }
+
+    /// Bytes each aggregator of `owners` holds (`sizes`: `layer_id → bytes`).
+    fn loads(owners: &Owners, sizes: &BTreeMap<u32, u64>) -> BTreeMap<u64, u64> {
+        let mut out = BTreeMap::new();
+        for (layer, agg) in owners {
+            *out.entry(*agg).or_insert(0) += sizes.get(layer).copied().unwrap_or(0);
+        }
+        out
     }
 
     fn sizes(layers: &[(u32, u64)]) -> BTreeMap<u32, u64> {

@@ -677,10 +677,7 @@ impl CoordinatorState {
         let sized: Vec<(u32, u64)> = self
             .layers
             .values()
-            .map(|l| {
-                let values: u64 = l.shape.iter().map(|&d| u64::from(d)).product();
-                (l.layer_id, values * 4)
-            })
+            .map(|l| (l.layer_id, l.bytes()))
             .collect();
         let aggregators: Vec<u64> = self
             .members

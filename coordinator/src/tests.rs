@@ -235,11 +235,7 @@ fn second_aggregator_takes_its_layers_with_their_checkpoint() {
     );
     let out = drain(&mut s);
     assert_eq!(s.epoch(), 2);
-    let layers: Vec<(u32, u64)> = s
-        .layers
-        .values()
-        .map(|l| (l.layer_id, u64::from(l.shape.iter().product::<u32>()) * 4))
-        .collect();
+    let layers: Vec<(u32, u64)> = s.layers.values().map(|l| (l.layer_id, l.bytes())).collect();
     let expected = layer_map::assign_owners(&layers, &[10, 11]);
     assert_eq!(
         s.owners(),

@@ -178,24 +178,25 @@ struct BroadcastFrames {
     without_ledger: bytes::Bytes,
 }
 
-/// Encodes a broadcast once or twice (see [`BroadcastFrames`]); also returns the layer of
-/// a version (`None` for another message, e.g. a `Resync`: those are never superseded).
-fn broadcast_frames(msg: Message) -> Result<(Option<u32>, BroadcastFrames), protocol::FrameError> {
-    let Message::LayerVersion(mut v) = msg else {
-        let frame = bytes::Bytes::from(encode_frame(&msg)?);
-        let frames = BroadcastFrames {
-            with_ledger: frame.clone(),
-            without_ledger: frame,
-        };
-        return Ok((None, frames));
+/// Encodes a broadcast (see [`BroadcastFrames`]): the frame with the ledger only when
+/// `with_ledger_needed` (the coordinator subscribes) and the version has one, else both are
+/// the same frame; the payload is never copied. Also returns the layer of a version (`None`
+/// for another message, e.g. a `Resync`: those are never superseded).
+fn broadcast_frames(
+    mut msg: Message,
+    with_ledger_needed: bool,
+) -> Result<(Option<u32>, BroadcastFrames), protocol::FrameError> {
+    let (layer, ledger) = match &mut msg {
+        Message::LayerVersion(v) => (Some(v.layer_id), std::mem::take(&mut v.applied_seqs)),
+        _ => (None, Vec::new()),
     };
-    let layer = Some(v.layer_id);
-    let with_ledger = bytes::Bytes::from(encode_frame(&Message::LayerVersion(v.clone()))?);
-    let without_ledger = if v.applied_seqs.is_empty() {
-        with_ledger.clone()
-    } else {
-        v.applied_seqs = Vec::new();
-        bytes::Bytes::from(encode_frame(&Message::LayerVersion(v))?)
+    let without_ledger = bytes::Bytes::from(encode_frame(&msg)?);
+    let with_ledger = match &mut msg {
+        Message::LayerVersion(v) if with_ledger_needed && !ledger.is_empty() => {
+            v.applied_seqs = ledger;
+            bytes::Bytes::from(encode_frame(&msg)?)
+        }
+        _ => without_ledger.clone(),
     };
     let frames = BroadcastFrames {
         with_ledger,
@@ -961,16 +962,20 @@ impl Shell {
                     });
                 }
                 Output::Broadcast { msg } => {
-                    let (layer, frames) = match broadcast_frames(msg) {
+                    let subscribers: Vec<u64> = self.subscribers.iter().copied().collect();
+                    let coordinator = subscribers
+                        .iter()
+                        .copied()
+                        .find(|&c| self.is_coordinator(c));
+                    let (layer, frames) = match broadcast_frames(msg, coordinator.is_some()) {
                         Ok(v) => v,
                         Err(e) => {
                             error!("[ERROR] encoding a broadcast failed: {e}");
                             continue;
                         }
                     };
-                    let subscribers: Vec<u64> = self.subscribers.iter().copied().collect();
                     for conn in subscribers {
-                        let frame = if self.is_coordinator(conn) {
+                        let frame = if Some(conn) == coordinator {
                             frames.with_ledger.clone()
                         } else {
                             frames.without_ledger.clone()
@@ -1248,7 +1253,7 @@ credentials = "x"
             payload: vec![0; 16],
             applied_seqs: ledger.clone(),
         });
-        let (layer, frames) = broadcast_frames(version).unwrap();
+        let (layer, frames) = broadcast_frames(version.clone(), true).unwrap();
         assert_eq!(layer, Some(3));
         let decode = |frame: &bytes::Bytes| match protocol::decode_frame(frame).unwrap().0 {
             Message::LayerVersion(v) => v,
@@ -1264,13 +1269,17 @@ credentials = "x"
             frames.without_ledger.len(),
             frames.with_ledger.len()
         );
+        // No coordinator among the subscribers: the ledger frame is not made at all.
+        let (_, frames) = broadcast_frames(version, false).unwrap();
+        assert_eq!(frames.with_ledger, frames.without_ledger);
+        assert!(decode(&frames.with_ledger).applied_seqs.is_empty());
         let resync = Message::Resync(protocol::Resync {
             layer_id: 3,
             current_version: 9,
             refused_seq: None,
             reason: protocol::ResyncReason::AggregatorRestarted,
         });
-        let (layer, frames) = broadcast_frames(resync).unwrap();
+        let (layer, frames) = broadcast_frames(resync, true).unwrap();
         assert_eq!(layer, None, "a resync is never superseded by a version");
         assert_eq!(frames.with_ledger, frames.without_ledger);
     }
