@@ -18,6 +18,7 @@ use cpu_aggregator::server::AggregatorRunConfig;
 use edge_agent::runtime::config::{NodeSection, SyncSection, TrainingSection};
 use edge_agent::runtime::pacing::PaceSection;
 use edge_agent::runtime::NodeRunConfig;
+use engine::data::sampler::DataPartition;
 use node::cluster_model::read_toml;
 use relay::{spawn_relay, RelayConfig, RelayHandle};
 use serde::Serialize;
@@ -420,6 +421,7 @@ async fn run_cluster(
             credentials: file.cluster.credentials.clone(),
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             address_overrides,
+            nice: file.cluster.trainer_nice,
         };
 
     // Trainers (and the relays in front of lossy edges).
@@ -503,6 +505,14 @@ async fn run_cluster(
                 first_rank: rank,
                 world,
                 steps: file.training.steps,
+                data_partition: file
+                    .training
+                    .data_partition
+                    .unwrap_or(if spec.role == "edge" {
+                        DataPartition::Fixed
+                    } else {
+                        DataPartition::Reshuffled
+                    }),
                 batch_size: spec.batch_size.unwrap_or(file.training.batch_size),
                 lr: file.training.lr,
                 eval_every: file.training.eval_every,
@@ -554,6 +564,7 @@ async fn run_cluster(
                         first_rank: 0,
                         world: 1,
                         steps: file.training.steps,
+                        data_partition: DataPartition::Reshuffled,
                         batch_size: file.training.batch_size,
                         lr: file.training.lr,
                         eval_every: 0,

@@ -153,6 +153,20 @@ pub struct ClusterSection {
     /// Lifetime of the node certificates the launcher creates, days.
     #[serde(default = "default_cert_lifetime_days")]
     pub cert_lifetime_days: u32,
+    /// CPU niceness of the trainers (edge agents and worker nodes; 0–19, default 10). The
+    /// launcher runs every process on this machine, where the trainers stand in for devices
+    /// and nodes with CPUs of their own: at a lower priority they leave the coordinator and
+    /// the aggregators the CPU they would have on their own machines. 0: every process at
+    /// the same priority.
+    #[serde(default = "default_trainer_nice")]
+    pub trainer_nice: i32,
+}
+
+/// The trainers' niceness when `[cluster] trainer_nice` is not given.
+pub const DEFAULT_TRAINER_NICE: i32 = 10;
+
+fn default_trainer_nice() -> i32 {
+    DEFAULT_TRAINER_NICE
 }
 
 fn default_cert_lifetime_days() -> u32 {
@@ -193,6 +207,12 @@ pub struct TrainingDefaults {
     /// Learning-rate schedule of every trainer (replaces the constant `lr`).
     #[serde(default)]
     pub lr_schedule: Option<engine::lr::LrSchedule>,
+    /// How training samples are dealt to the trainers: `fixed` (each rank keeps its own
+    /// shard and its process holds only that) or `reshuffled` (a new permutation of the
+    /// whole set every epoch; every process holds all of it). Unset: `fixed` for edges
+    /// (a device owns its data), `reshuffled` for worker nodes.
+    #[serde(default)]
+    pub data_partition: Option<engine::data::sampler::DataPartition>,
 }
 
 fn default_batch() -> usize {
@@ -390,6 +410,12 @@ pub fn validate(file: &ClusterFile) -> Result<()> {
     }
     if file.workers.is_empty() && file.edges.is_empty() && file.swarm.is_none() {
         bail!("a cluster needs at least one [[workers]] or [[edges]] entry, or a [swarm]");
+    }
+    if !(0..=19).contains(&file.cluster.trainer_nice) {
+        bail!(
+            "[cluster] trainer_nice = {}: must be 0 (the servers' priority) to 19 (the lowest); raising a process's priority needs privileges",
+            file.cluster.trainer_nice
+        );
     }
     if let Some(s) = &file.swarm {
         if s.clients == 0 || s.processes == 0 || s.processes > s.clients {
@@ -595,5 +621,26 @@ down = { latency_ms = 20, bandwidth = "2mbit" }
         }
         let default: ClusterFile = toml::from_str(&text(0).replace("nice = 0\n", "")).unwrap();
         assert_eq!(default.swarm.unwrap().nice, 10);
+    }
+
+    #[test]
+    fn trainer_niceness_defaults_to_10_and_outside_0_to_19_is_refused_by_name() {
+        let text = |nice: &str| {
+            format!(
+                "[cluster]\nname = \"t\"\n{nice}[model]\nmodel = \"mlp\"\ndataset = \"digits\"\n\
+                 [training]\nsteps = 4\n[[aggregators]]\nname = \"agg-1\"\n\
+                 [[edges]]\nname = \"edge-1\"\n"
+            )
+        };
+        let default: ClusterFile = toml::from_str(&text("")).unwrap();
+        validate(&default).unwrap();
+        assert_eq!(default.cluster.trainer_nice, 10);
+        assert_eq!(default.training.data_partition, None);
+        for bad in [-1, 20] {
+            let file: ClusterFile =
+                toml::from_str(&text(&format!("trainer_nice = {bad}\n"))).unwrap();
+            let e = validate(&file).unwrap_err().to_string();
+            assert!(e.contains("[cluster] trainer_nice"), "{e}");
+        }
     }
 }

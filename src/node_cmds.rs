@@ -90,6 +90,7 @@ pub fn trainer(args: ProcessArgs, role: Role) -> Result<()> {
             config.training.workers
         );
     }
+    lower_cpu_priority("node.nice", config.node.nice)?;
     let stop = stop_on_sigterm()?;
     let summary = edge_agent::runtime::run_node_until(&config, role, stop)
         .with_context(|| format!("node {}", config.node.name))?;
@@ -105,7 +106,7 @@ pub fn swarm(args: ProcessArgs) -> Result<()> {
     let text = node::cluster_model::apply_overrides(&text, &args.config, &args.set)?;
     let config: edge_agent::runtime::swarm::SwarmRunConfig =
         node::cluster_model::parse_toml(&text, &args.config)?;
-    lower_cpu_priority(config.swarm.nice)?;
+    lower_cpu_priority("swarm.nice", config.swarm.nice)?;
     let stop = stop_on_sigterm()?;
     let summary = edge_agent::runtime::swarm::run_swarm(&config, stop)
         .with_context(|| format!("swarm {}", config.template.node.name))?;
@@ -122,9 +123,9 @@ pub fn swarm(args: ProcessArgs) -> Result<()> {
 
 /// Sets this thread's niceness to `nice` (0–19) before any other thread starts, so every
 /// thread of the process inherits it (Linux keeps a niceness per thread).
-fn lower_cpu_priority(nice: i32) -> Result<()> {
+fn lower_cpu_priority(key: &str, nice: i32) -> Result<()> {
     if !(0..=19).contains(&nice) {
-        anyhow::bail!("swarm.nice = {nice}: must be 0 (unchanged) to 19 (the lowest priority)");
+        anyhow::bail!("{key} = {nice}: must be 0 (unchanged) to 19 (the lowest priority)");
     }
     if nice == 0 {
         return Ok(());
@@ -134,7 +135,7 @@ fn lower_cpu_priority(nice: i32) -> Result<()> {
     if rc != 0 {
         let e = std::io::Error::last_os_error();
         tracing::warn!(
-            "[WARN] swarm.nice = {nice} not applied ({e}); the swarm runs at the servers' priority"
+            "[WARN] {key} = {nice} not applied ({e}); the process runs at the servers' priority"
         );
     }
     Ok(())
@@ -223,4 +224,27 @@ pub fn relay(args: ProcessArgs) -> Result<()> {
     })?;
     println!("{}", serde_json::to_string_pretty(&stats)?);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_niceness_is_applied_to_the_calling_thread_and_refused_outside_0_to_19() {
+        let applied = std::thread::spawn(|| {
+            lower_cpu_priority("node.nice", 7).unwrap();
+            // SAFETY: getpriority only reads its integer arguments.
+            unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) }
+        })
+        .join()
+        .unwrap();
+        assert_eq!(applied, 7);
+        for bad in [-1, 20] {
+            let e = lower_cpu_priority("node.nice", bad)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("node.nice"), "{e}");
+        }
+    }
 }

@@ -22,6 +22,7 @@ use cpu_aggregator::server::config::AggregationSection;
 use cpu_aggregator::{Aggregation, AggregatorConfig};
 use edge_agent::runtime::config::SyncSection;
 use edge_agent::runtime::pacing::PaceSection;
+use engine::data::sampler::DataPartition;
 use engine::staleness::StalenessFn;
 use node::cluster_model::ModelSection;
 use node::task::{ModelKind, Task};
@@ -347,6 +348,7 @@ pub fn cluster_file(
             stop_after_s: Some(s.max_virtual_s),
             eval_every_s: Some(s.eval_every_s),
             cert_lifetime_days: 365,
+            trainer_nice: crate::cluster_file::DEFAULT_TRAINER_NICE,
         },
         model: ModelSection {
             model: s.model.clone(),
@@ -363,6 +365,9 @@ pub fn cluster_file(
             eval_limit: s.eval_limit,
             optimizer: Some(plan.optimizer.clone()),
             lr_schedule: Some(plan.schedule),
+            // The simulator deals samples as the other trainers do: a new permutation of the
+            // whole set every epoch.
+            data_partition: Some(DataPartition::Reshuffled),
         },
         sync,
         aggregation: aggregation_section(&plan.aggregator),

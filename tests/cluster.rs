@@ -87,6 +87,28 @@ fn lossy_cluster_trains_within_one_point_of_the_clean_cluster() {
     }
     assert!(node(&lossy, "edge-2")["relayed"].as_bool().unwrap());
     assert!(node(&lossy, "edge-2")["bytes_sent"].as_u64().unwrap() > 0);
+    // Edges own their data: each reads and holds only its fixed shard (a fifth of the
+    // training set here), the worker node all of it; trainers run below the servers' priority.
+    let stats = |name: &str| -> Value {
+        let path = dir.join(format!("lossy/{name}/data/stats.json"));
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+    };
+    let held = |name: &str| stats(name)["data_bytes"].as_u64().unwrap();
+    assert!(
+        2 * held("edge-1") < held("node-1"),
+        "edge-1 holds {} bytes of data, node-1 {}",
+        held("edge-1"),
+        held("node-1")
+    );
+    for (name, partition) in [("edge-1", "fixed"), ("node-1", "reshuffled")] {
+        let config =
+            std::fs::read_to_string(dir.join(format!("lossy/{name}/config.toml"))).unwrap();
+        assert!(config.contains("nice = 10"), "{name}: {config}");
+        assert!(
+            config.contains(&format!("data_partition = \"{partition}\"")),
+            "{name}: {config}"
+        );
+    }
     // Status and metrics were served.
     let metrics = std::fs::read_to_string(dir.join("lossy/metrics.txt")).unwrap();
     assert!(metrics.contains("dreamddp_layer_version"), "{metrics}");

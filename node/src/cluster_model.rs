@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
+use engine::data::sampler::DataPartition;
 use engine::model::Model;
 use engine::models::gpt::{gpt_tiny, GptConfig};
 use serde::de::DeserializeOwned;
@@ -157,6 +158,32 @@ impl ModelSection {
         let data = load_data(&resolved.dataset, resolved.data_dir.as_deref())?;
         let task = Task::new(kind, &resolved.dataset, data)?;
         task.require_builtin("a cluster")?;
+        Ok(task)
+    }
+
+    /// [`Self::load_task`] for ranks `ranks` of `world` dealt out as `partition` says: with
+    /// [`DataPartition::Fixed`] only those ranks' training samples are read and held.
+    pub fn load_task_for(
+        &self,
+        partition: DataPartition,
+        ranks: std::ops::Range<usize>,
+        world: usize,
+    ) -> Result<Task, String> {
+        if partition == DataPartition::Reshuffled {
+            return self.load_task();
+        }
+        let resolved = self.resolved()?;
+        let kind: ModelKind = resolved.model.parse()?;
+        let (data, sampling) = crate::data_shards::load_fixed_shards(
+            &resolved.dataset,
+            resolved.data_dir.as_deref(),
+            ranks,
+            world,
+            resolved.seed,
+        )?;
+        let mut task = Task::new(kind, &resolved.dataset, data)?;
+        task.require_builtin("a cluster")?;
+        task.sampling = sampling;
         Ok(task)
     }
 

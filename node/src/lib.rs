@@ -6,6 +6,7 @@
 //!   `--set` overrides, durable (atomic) file writes;
 //! * [`layout`]: the sync layout (model layer → wire `layer_id`);
 //! * [`task`]: what a node trains (model + data + defaults);
+//! * [`data_shards`]: which training samples a process holds and how its ranks draw them;
 //! * [`replica`]: one model replica with its optimizers and data shard;
 //! * [`collective`], [`thread_collective`], [`link`]: the intra-node collective contract, its
 //!   thread backend and the link model that shapes it;
@@ -17,6 +18,7 @@
 pub mod backend;
 pub mod cluster_model;
 pub mod collective;
+pub mod data_shards;
 pub mod latency;
 pub mod layout;
 pub mod link;

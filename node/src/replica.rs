@@ -66,7 +66,8 @@ impl Replica {
     ) -> Result<Self, BackendError> {
         let net = backend.build_replica(task, seed, optimizer)?;
         let units = net.unit_infos().iter().map(|i| i.index).collect();
-        let sampler = ShardedSampler::new(task.train_len(), rank, world, seed, true)
+        let sampler = task
+            .sampler(rank, world, seed)
             .map_err(|e| BackendError::Shard(e.to_string()))?;
         let rng = ChaCha8Rng::seed_from_u64(
             seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)),

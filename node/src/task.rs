@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use engine::data::corpus::{CharCorpus, Split};
+use engine::data::sampler::ShardedSampler;
 use engine::data::TrainTest;
 use engine::loss::{argmax_accuracy, try_softmax_cross_entropy};
 use engine::model::Model;
@@ -14,6 +15,8 @@ use engine::replica::ModelReplica;
 use engine::tensor::Tensor;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
+
+use crate::data_shards::Sampling;
 
 /// Which built-in model to train.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -95,6 +98,8 @@ pub struct Task {
     pub data: TaskData,
     /// Transformer shape (gpt-tiny only).
     pub gpt: Option<GptConfig>,
+    /// How the training samples are dealt to ranks and which of them this process holds.
+    pub sampling: Sampling,
 }
 
 /// One training batch, reused across steps.
@@ -216,7 +221,19 @@ impl Task {
             dataset: dataset.to_string(),
             data,
             gpt,
+            sampling: Sampling::default(),
         })
+    }
+
+    /// The sampler of rank `rank` of `world` over the training samples this task holds
+    /// ([`Sampling::sampler`]).
+    pub fn sampler(
+        &self,
+        rank: usize,
+        world: usize,
+        seed: u64,
+    ) -> Result<ShardedSampler, engine::data::DataError> {
+        self.sampling.sampler(self.train_len(), rank, world, seed)
     }
 
     /// Defaults that reach the README's accuracy targets.
@@ -297,7 +314,7 @@ impl Task {
         }
     }
 
-    /// Number of training examples (images) or training characters.
+    /// Number of training examples (images) or training characters this process holds.
     pub fn train_len(&self) -> usize {
         match &self.data {
             TaskData::Images(tt) => tt.train.len(),
@@ -420,12 +437,8 @@ pub fn load_data(dataset: &str, dir: Option<&Path>) -> Result<TaskData, String> 
                  or run from a checkout next to ../shared/data/datasets, or use --dataset digits (embedded)"
                     .to_string()
             })?;
-            let mnist_dir = if dir.join("mnist").is_dir() {
-                dir.join("mnist")
-            } else {
-                dir.to_path_buf()
-            };
-            let tt = engine::data::mnist::load_mnist(&mnist_dir).map_err(|e| e.to_string())?;
+            let tt =
+                engine::data::mnist::load_mnist(&mnist_folder(dir)).map_err(|e| e.to_string())?;
             Ok(TaskData::Images(Arc::new(tt)))
         }
         "digits" => {
@@ -458,6 +471,15 @@ pub fn load_data(dataset: &str, dir: Option<&Path>) -> Result<TaskData, String> 
             "unknown data set '{other}'; expected one of: mnist, digits, tinyshakespeare, or a \
              FILE.safetensors holding train_x, train_y, test_x, test_y"
         )),
+    }
+}
+
+/// The folder of the MNIST files under a data folder: `dir/mnist` when it exists, else `dir`.
+pub fn mnist_folder(dir: &Path) -> PathBuf {
+    if dir.join("mnist").is_dir() {
+        dir.join("mnist")
+    } else {
+        dir.to_path_buf()
     }
 }
 

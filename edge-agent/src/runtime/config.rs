@@ -38,6 +38,11 @@ pub struct NodeSection {
     /// Dial these addresses instead of the aggregators' own (e.g. through a lossy relay).
     #[serde(default)]
     pub address_overrides: HashMap<SocketAddr, SocketAddr>,
+    /// CPU niceness the process runs at (0 = unchanged … 19 = lowest). `dreamddp cluster`
+    /// sets its `[cluster] trainer_nice` here: on one machine the trainers stand in for
+    /// devices with CPUs of their own, and the servers they talk to get the CPU first.
+    #[serde(default)]
+    pub nice: i32,
 }
 
 fn default_coordinator_name() -> String {
@@ -60,6 +65,12 @@ pub struct TrainingSection {
     pub world: usize,
     /// Optimizer steps.
     pub steps: u64,
+    /// How the training samples are dealt to the cluster's ranks: `reshuffled` (default; a
+    /// new permutation of the whole set every epoch, so the process holds all of it) or
+    /// `fixed` (each rank keeps its own shard, as a device owns its data: the process reads
+    /// and holds only its ranks' samples).
+    #[serde(default)]
+    pub data_partition: engine::data::sampler::DataPartition,
     /// Per-worker batch size.
     #[serde(default = "default_batch")]
     pub batch_size: usize,

@@ -457,7 +457,11 @@ pub fn run_node_until(
     let backend = Backend::parse(&config.training.backend, &config.training.device)
         .and_then(|b| b.probe().map(|()| b))
         .map_err(|e| NodeRunError::Training(format!("[training] backend/device: {e}")))?;
-    let task = config.model.load_task().map_err(NodeRunError::Data)?;
+    let ranks = config.training.first_rank..config.training.first_rank + config.training.workers;
+    let task = config
+        .model
+        .load_task_for(config.training.data_partition, ranks, config.training.world)
+        .map_err(NodeRunError::Data)?;
     let model = task.build_model(config.model.seed);
     let layout: Vec<SyncLayerDef> = config.model.layout(&model);
     // A backend that would exchange other tensors than the cluster's layout never starts.

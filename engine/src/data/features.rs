@@ -98,6 +98,30 @@ impl Features {
         self.values(0..self.len()).into_owned()
     }
 
+    /// The samples at `indices` (each `width` values long), in that order, in the same storage.
+    ///
+    /// # Panics
+    /// When an index is out of range.
+    pub fn samples(&self, width: usize, indices: &[usize]) -> Features {
+        match self {
+            Features::F32(v) => Features::F32(
+                indices
+                    .iter()
+                    .flat_map(|&i| &v[i * width..(i + 1) * width])
+                    .copied()
+                    .collect(),
+            ),
+            Features::Bytes { codes, table } => Features::Bytes {
+                codes: indices
+                    .iter()
+                    .flat_map(|&i| &codes[i * width..(i + 1) * width])
+                    .copied()
+                    .collect(),
+                table: table.clone(),
+            },
+        }
+    }
+
     /// The first `len` values, in the same storage.
     pub fn prefix(&self, len: usize) -> Features {
         match self {
@@ -128,6 +152,15 @@ mod tests {
         assert_eq!(out, eager[256..]);
         assert_eq!(&*f.values(1..3), &eager[1..3]);
         assert_eq!(f.prefix(2).to_vec(), eager[..2]);
+        assert_eq!(
+            f.samples(2, &[3, 0]).to_vec(),
+            [&eager[6..8], &eager[0..2]].concat()
+        );
+        let dense = Features::F32(eager.clone());
+        assert_eq!(
+            dense.samples(2, &[3, 0]).to_vec(),
+            [&eager[6..8], &eager[0..2]].concat()
+        );
     }
 
     #[test]

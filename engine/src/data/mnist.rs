@@ -43,8 +43,24 @@ pub fn load_mnist_limited(
     max_train: usize,
     max_test: usize,
 ) -> Result<TrainTest, DataError> {
-    let train = load_split(dir, "train", "mnist-train", max_train)?;
-    let test = load_split(dir, "t10k", "mnist-test", max_test)?;
+    let train = load_split(dir, "train", "mnist-train", max_train, None)?;
+    let test = load_split(dir, "t10k", "mnist-test", max_test, None)?;
+    Ok(TrainTest { train, test })
+}
+
+/// Which training samples to keep, given the training set's size from the file's header:
+/// indices in ascending order, each below the size.
+pub type SampleSelection<'a> = &'a dyn Fn(usize) -> Result<Vec<usize>, DataError>;
+
+/// The whole test set and only the training samples `select` picks, in ascending index
+/// order. The images are read one after another and the others are skipped, so memory never
+/// holds more than the kept samples (a node that trains fixed shards).
+pub fn load_mnist_train_subset(
+    dir: &Path,
+    select: SampleSelection,
+) -> Result<TrainTest, DataError> {
+    let train = load_split(dir, "train", "mnist-train", usize::MAX, Some(select))?;
+    let test = load_split(dir, "t10k", "mnist-test", usize::MAX, None)?;
     Ok(TrainTest { train, test })
 }
 
@@ -53,6 +69,7 @@ fn load_split(
     prefix: &str,
     name: &str,
     max_samples: usize,
+    select: Option<SampleSelection>,
 ) -> Result<Dataset, DataError> {
     let images_path = locate(dir, &format!("{prefix}-images-idx3-ubyte"))?;
     let labels_path = locate(dir, &format!("{prefix}-labels-idx1-ubyte"))?;
@@ -94,8 +111,25 @@ fn load_split(
         });
     }
 
-    let mut pixel_bytes = vec![0u8; count * pixels_per_image];
-    read_payload(&mut images, &images_path, &mut pixel_bytes)?;
+    let (label_bytes, pixel_bytes) = match select {
+        None => {
+            let mut pixel_bytes = vec![0u8; count * pixels_per_image];
+            read_payload(&mut images, &images_path, &mut pixel_bytes)?;
+            (label_bytes, pixel_bytes)
+        }
+        Some(select) => {
+            let keep = select(count)?;
+            if keep.windows(2).any(|w| w[0] >= w[1]) || keep.last().is_some_and(|&i| i >= count) {
+                return Err(DataError::InvalidSampler(format!(
+                    "{}: a selection of training samples must be ascending and below {count}",
+                    images_path.display()
+                )));
+            }
+            let pixel_bytes =
+                read_selected_rows(&mut images, &images_path, count, pixels_per_image, &keep)?;
+            (keep.iter().map(|&i| label_bytes[i]).collect(), pixel_bytes)
+        }
+    };
     // Kept as the bytes they are (a quarter of the memory); decoded per batch.
     let features = Features::from_bytes(pixel_bytes, |byte| {
         (byte as f32 / 255.0 - PIXEL_MEAN) / PIXEL_STD
@@ -169,6 +203,37 @@ fn read_header<const N: usize>(
         }
     }
     Ok(words)
+}
+
+/// Reads `count` rows of `width` bytes and keeps those at `keep` (ascending), skipping the
+/// others through one row of scratch.
+fn read_selected_rows(
+    reader: &mut dyn Read,
+    path: &Path,
+    count: usize,
+    width: usize,
+    keep: &[usize],
+) -> Result<Vec<u8>, DataError> {
+    let mut kept = Vec::with_capacity(keep.len() * width);
+    let mut row = vec![0u8; width];
+    let mut wanted = keep.iter().peekable();
+    for index in 0..count {
+        if wanted.peek().is_none() {
+            break;
+        }
+        let got = read_fully(reader, path, &mut row)?;
+        if got < width {
+            return Err(DataError::Truncated {
+                path: path.to_path_buf(),
+                expected: (count * width) as u64,
+                found: (index * width + got) as u64,
+            });
+        }
+        if wanted.next_if_eq(&&index).is_some() {
+            kept.extend_from_slice(&row);
+        }
+    }
+    Ok(kept)
 }
 
 fn read_payload(reader: &mut dyn Read, path: &Path, buffer: &mut [u8]) -> Result<(), DataError> {
@@ -285,6 +350,18 @@ mod tests {
             matches!(data.train.features, Features::Bytes { .. }),
             "MNIST is held as bytes"
         );
+
+        let subset = load_mnist_train_subset(&dir, &|count| {
+            assert_eq!(count, 3);
+            Ok(vec![0, 2])
+        })
+        .unwrap();
+        assert_eq!(subset.train, data.train.subset(&[0, 2]));
+        assert_eq!(subset.test, data.test);
+        let unsorted = load_mnist_train_subset(&dir, &|_| Ok(vec![2, 0])).unwrap_err();
+        assert!(unsorted.to_string().contains("ascending"), "{unsorted}");
+        let beyond = load_mnist_train_subset(&dir, &|_| Ok(vec![3])).unwrap_err();
+        assert!(beyond.to_string().contains("below 3"), "{beyond}");
 
         let limited = load_mnist_limited(&dir, 2, 1).unwrap();
         assert_eq!(limited.train.labels, vec![7, 0]);

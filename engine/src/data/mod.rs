@@ -210,6 +210,21 @@ impl Dataset {
         targets.extend(indices.iter().map(|&index| self.labels[index] as usize));
     }
 
+    /// A new data set holding the samples at `indices`, in that order (a node that trains
+    /// fixed shards keeps only its own samples).
+    ///
+    /// # Panics
+    /// When an index is out of range.
+    pub fn subset(&self, indices: &[usize]) -> Dataset {
+        Dataset {
+            name: self.name.clone(),
+            sample_shape: self.sample_shape.clone(),
+            features: self.features.samples(self.sample_len(), indices),
+            labels: indices.iter().map(|&i| self.labels[i]).collect(),
+            classes: self.classes,
+        }
+    }
+
     /// A new data set holding the first `count` samples (all of them when `count >= len()`).
     pub fn truncated(&self, count: usize) -> Dataset {
         let count = count.min(self.len());

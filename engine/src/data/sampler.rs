@@ -15,6 +15,12 @@
 //! with the next epoch's shard. Every rank has the same number of samples per epoch, so ranks stay
 //! in lock-step as long as they draw the same batch sizes.
 //!
+//! [`DataPartition::Fixed`] is the federated setting: a device owns its data. Rank `r` keeps
+//! the samples of its epoch-0 shard for the whole run ([`fixed_shard`]) and only their order
+//! changes from epoch to epoch (a permutation seeded by the seed and the rank); epoch 0 is
+//! drawn in the same order in both modes. A process that trains fixed shards needs only those
+//! samples in memory ([`ShardedSampler::fixed`] takes indices into what it holds).
+//!
 //! The shuffle is written out here (index `j = next_u64() mod (i + 1)`) rather than taken from
 //! `rand`'s `SliceRandom`, so the order depends only on ChaCha8 and this file.
 
@@ -32,9 +38,62 @@ pub fn shuffle_in_place<T, R: RngCore + ?Sized>(rng: &mut R, items: &mut [T]) {
     }
 }
 
+/// How the training set is divided among the ranks from one epoch to the next.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataPartition {
+    /// Every epoch a new permutation of the whole set is dealt out (PyTorch's
+    /// `DistributedSampler`): each rank sees every sample over the epochs, so each process
+    /// holds the whole set.
+    #[default]
+    Reshuffled,
+    /// Each rank keeps its epoch-0 shard for the whole run (a device owns its data), in a new
+    /// order every epoch: a process holds only its ranks' samples.
+    Fixed,
+}
+
+impl DataPartition {
+    /// The name used in configs (`reshuffled`, `fixed`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DataPartition::Reshuffled => "reshuffled",
+            DataPartition::Fixed => "fixed",
+        }
+    }
+}
+
+impl std::str::FromStr for DataPartition {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "reshuffled" => Ok(DataPartition::Reshuffled),
+            "fixed" => Ok(DataPartition::Fixed),
+            other => Err(format!(
+                "data partition '{other}': expected 'reshuffled' (a new permutation of the whole \
+                 set every epoch) or 'fixed' (each rank keeps its own shard)"
+            )),
+        }
+    }
+}
+
+/// Rank `rank`'s fixed shard of a data set of `dataset_len` samples: its epoch-0 shard of the
+/// reshuffled partition (`drop_last`, so shards are disjoint and equal), in drawing order.
+pub fn fixed_shard(
+    dataset_len: usize,
+    rank: usize,
+    world: usize,
+    seed: u64,
+) -> Result<Vec<usize>, DataError> {
+    let mut sampler = ShardedSampler::new(dataset_len, rank, world, seed, true)?;
+    Ok(std::mem::take(&mut sampler.shard))
+}
+
 /// Yields this rank's shard of a data set, batch after batch, epoch after epoch.
 #[derive(Clone, Debug)]
 pub struct ShardedSampler {
+    /// [`DataPartition::Fixed`]: the rank's own samples (indices into the data held), in
+    /// epoch-0 order; `None`: reshuffled over `0..dataset_len`.
+    fixed: Option<Vec<usize>>,
     dataset_len: usize,
     rank: usize,
     world: usize,
@@ -73,6 +132,7 @@ impl ShardedSampler {
             )));
         }
         let mut sampler = Self {
+            fixed: None,
             dataset_len,
             rank,
             world,
@@ -82,6 +142,32 @@ impl ShardedSampler {
             position: 0,
             permutation: Vec::with_capacity(dataset_len),
             shard: Vec::with_capacity(samples_per_epoch),
+        };
+        sampler.set_epoch(0);
+        Ok(sampler)
+    }
+
+    /// A [`DataPartition::Fixed`] sampler over `samples` (this rank's own samples as indices
+    /// into the data the process holds, in epoch-0 order, e.g. from [`fixed_shard`]): epoch 0
+    /// draws them in that order, every later epoch in a fresh permutation seeded by `seed`
+    /// and `rank`. Fails when `samples` is empty.
+    pub fn fixed(samples: Vec<usize>, rank: usize, seed: u64) -> Result<Self, DataError> {
+        if samples.is_empty() {
+            return Err(DataError::InvalidSampler(format!(
+                "rank {rank} has an empty fixed shard"
+            )));
+        }
+        let mut sampler = Self {
+            dataset_len: samples.len(),
+            samples_per_epoch: samples.len(),
+            fixed: Some(samples),
+            rank,
+            world: 1,
+            seed,
+            epoch: 0,
+            position: 0,
+            permutation: Vec::new(),
+            shard: Vec::new(),
         };
         sampler.set_epoch(0);
         Ok(sampler)
@@ -106,6 +192,17 @@ impl ShardedSampler {
     pub fn set_epoch(&mut self, epoch: u64) {
         self.epoch = epoch;
         self.position = 0;
+        if let Some(fixed) = &self.fixed {
+            self.shard.clear();
+            self.shard.extend_from_slice(fixed);
+            if epoch > 0 {
+                let mixed = self.seed ^ 0xD1B5_4A32_D192_ED03u64.wrapping_mul(self.rank as u64 + 1);
+                let mut rng = ChaCha8Rng::seed_from_u64(mixed);
+                rng.set_stream(epoch);
+                shuffle_in_place(&mut rng, &mut self.shard);
+            }
+            return;
+        }
         self.permutation.clear();
         self.permutation.extend(0..self.dataset_len);
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
@@ -201,6 +298,47 @@ mod tests {
         assert_eq!(out[0], epoch0[4]);
         assert_eq!(out[1..], sampler.current_shard()[..3]);
         assert_eq!(sampler.position(), 3);
+    }
+
+    #[test]
+    fn a_fixed_shard_keeps_its_samples_and_starts_in_the_reshuffled_order() {
+        let (n, world, seed) = (103, 4, 9);
+        let mut owners = vec![0usize; n];
+        for rank in 0..world {
+            let own = fixed_shard(n, rank, world, seed).unwrap();
+            let mut reshuffled = ShardedSampler::new(n, rank, world, seed, true).unwrap();
+            let mut fixed = ShardedSampler::fixed(own.clone(), rank, seed).unwrap();
+            // Epoch 0 is the same stream in both modes.
+            assert_eq!(
+                fixed.next_batch(own.len()),
+                reshuffled.next_batch(own.len())
+            );
+            // Later epochs: the same samples in another order; the reshuffled rank moves on.
+            let mut sorted_own = own.clone();
+            sorted_own.sort_unstable();
+            for epoch in 1..4 {
+                let drawn = fixed.next_batch(own.len());
+                assert_eq!(fixed.epoch(), epoch + 1);
+                assert_ne!(drawn, own, "epoch {epoch} kept epoch 0's order");
+                let mut sorted = drawn.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, sorted_own, "epoch {epoch} drew other samples");
+            }
+            assert_ne!(reshuffled.next_batch(own.len()), own);
+            for index in own {
+                owners[index] += 1;
+            }
+        }
+        assert!(
+            owners.iter().all(|&count| count <= 1),
+            "fixed shards overlap"
+        );
+        assert!(ShardedSampler::fixed(Vec::new(), 0, seed).is_err());
+        assert_eq!("fixed".parse::<DataPartition>(), Ok(DataPartition::Fixed));
+        assert!("local"
+            .parse::<DataPartition>()
+            .unwrap_err()
+            .contains("reshuffled"));
     }
 
     proptest! {
