@@ -85,6 +85,9 @@ pub enum CoordinatorError {
         #[source]
         source: std::io::Error,
     },
+    /// The status endpoint's thread could not be started.
+    #[error("cannot start the status endpoint's thread: {0}")]
+    StatusThread(#[source] std::io::Error),
 }
 
 /// What a coordinator run leaves behind.
@@ -172,18 +175,12 @@ impl CoordinatorServer {
             self.status_addr()
                 .map_or_else(|| "-".into(), |a| format!("http://{a}/status"))
         );
-        let http_task = self.status_listener.map(|listener| {
-            let router = http::router(status_tx);
-            let stop = shutdown.clone();
-            tokio::spawn(async move {
-                let served = axum::serve(listener, router)
-                    .with_graceful_shutdown(stop.cancelled_owned())
-                    .await;
-                if let Err(e) = served {
-                    error!("[ERROR] status endpoint stopped: {e}");
-                }
-            })
-        });
+        // The operator endpoint runs on a thread and runtime of its own, so a probe never
+        // queues behind the QUIC tasks of a large fleet on the shared worker threads.
+        let http_task = match self.status_listener {
+            Some(listener) => Some(spawn_status_thread(listener, status_tx, shutdown.clone())?),
+            None => None,
+        };
         let accept_task = tokio::spawn(accept_loop(
             Arc::clone(&self.quic),
             inbound_tx.clone(),
@@ -567,3 +564,46 @@ async fn write_loop(link: PeerConnection, mut queued: mpsc::Receiver<Outgoing>) 
 #[cfg(test)]
 #[path = "server_tests.rs"]
 mod tests;
+
+/// Serves `/status`, `/metrics` and `/healthz` on a thread with a current-thread runtime of
+/// its own until `shutdown`; the returned receiver resolves when it has stopped.
+fn spawn_status_thread(
+    listener: tokio::net::TcpListener,
+    status_tx: mpsc::Sender<StatusRequest>,
+    shutdown: CancellationToken,
+) -> Result<tokio::sync::oneshot::Receiver<()>, CoordinatorError> {
+    let listener = listener
+        .into_std()
+        .map_err(CoordinatorError::StatusThread)?;
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("status-http".into())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime,
+                Err(e) => {
+                    error!("[ERROR] status endpoint: no runtime: {e}");
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let served = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(listener) => {
+                        axum::serve(listener, http::router(status_tx))
+                            .with_graceful_shutdown(shutdown.cancelled_owned())
+                            .await
+                    }
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = served {
+                    error!("[ERROR] status endpoint stopped: {e}");
+                }
+            });
+            let _ = stopped_tx.send(());
+        })
+        .map_err(CoordinatorError::StatusThread)?;
+    Ok(stopped_rx)
+}
