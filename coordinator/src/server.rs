@@ -178,7 +178,10 @@ impl CoordinatorServer {
         // The operator endpoint runs on a thread and runtime of its own, so a probe never
         // queues behind the QUIC tasks of a large fleet on the shared worker threads.
         let http_task = match self.status_listener {
-            Some(listener) => Some(spawn_status_thread(listener, status_tx, shutdown.clone())?),
+            Some(listener) => Some(
+                spawn_status_thread(listener, status_tx, shutdown.clone())
+                    .map_err(CoordinatorError::StatusThread)?,
+            ),
             None => None,
         };
         let accept_task = tokio::spawn(accept_loop(
@@ -571,10 +574,8 @@ fn spawn_status_thread(
     listener: tokio::net::TcpListener,
     status_tx: mpsc::Sender<StatusRequest>,
     shutdown: CancellationToken,
-) -> Result<tokio::sync::oneshot::Receiver<()>, CoordinatorError> {
-    let listener = listener
-        .into_std()
-        .map_err(CoordinatorError::StatusThread)?;
+) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
+    let listener = listener.into_std()?;
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("status-http".into())
@@ -603,7 +604,6 @@ fn spawn_status_thread(
                 }
             });
             let _ = stopped_tx.send(());
-        })
-        .map_err(CoordinatorError::StatusThread)?;
+        })?;
     Ok(stopped_rx)
 }
