@@ -163,10 +163,8 @@ pub struct ClusterSection {
 }
 
 /// The trainers' niceness when `[cluster] trainer_nice` is not given.
-pub const DEFAULT_TRAINER_NICE: i32 = 10;
-
 fn default_trainer_nice() -> i32 {
-    DEFAULT_TRAINER_NICE
+    10
 }
 
 fn default_cert_lifetime_days() -> u32 {
@@ -403,6 +401,18 @@ fn default_down() -> f64 {
     1.0
 }
 
+/// A CPU niceness a process may set for itself: 0 (unchanged) to 19 (the lowest); the
+/// error names `key`.
+pub fn check_niceness(key: &str, nice: i32) -> Result<()> {
+    if !(0..=19).contains(&nice) {
+        bail!(
+            "{key} = {nice}: must be 0 (the servers' priority) to 19 (the lowest); raising a \
+             process's priority needs privileges"
+        );
+    }
+    Ok(())
+}
+
 /// Checks names, references and counts (the error says what to change).
 pub fn validate(file: &ClusterFile) -> Result<()> {
     if file.aggregators.is_empty() {
@@ -411,12 +421,7 @@ pub fn validate(file: &ClusterFile) -> Result<()> {
     if file.workers.is_empty() && file.edges.is_empty() && file.swarm.is_none() {
         bail!("a cluster needs at least one [[workers]] or [[edges]] entry, or a [swarm]");
     }
-    if !(0..=19).contains(&file.cluster.trainer_nice) {
-        bail!(
-            "[cluster] trainer_nice = {}: must be 0 (the servers' priority) to 19 (the lowest); raising a process's priority needs privileges",
-            file.cluster.trainer_nice
-        );
-    }
+    check_niceness("[cluster] trainer_nice", file.cluster.trainer_nice)?;
     if let Some(s) = &file.swarm {
         if s.clients == 0 || s.processes == 0 || s.processes > s.clients {
             bail!(
@@ -428,12 +433,7 @@ pub fn validate(file: &ClusterFile) -> Result<()> {
         if s.step_ms == 0 || s.driver_threads == 0 || s.network_threads == 0 {
             bail!("[swarm] step_ms, driver_threads and network_threads must be at least 1");
         }
-        if !(0..=19).contains(&s.nice) {
-            bail!(
-                "[swarm] nice = {}: must be 0 (the servers' priority) to 19 (the lowest); raising a process's priority needs privileges a load test should not have",
-                s.nice
-            );
-        }
+        check_niceness("[swarm] nice", s.nice)?;
     }
     file.divergence.validate().map_err(anyhow::Error::msg)?;
     let mut names: Vec<&str> = vec!["coordinator"];
@@ -636,6 +636,19 @@ down = { latency_ms = 20, bandwidth = "2mbit" }
         validate(&default).unwrap();
         assert_eq!(default.cluster.trainer_nice, 10);
         assert_eq!(default.training.data_partition, None);
+        // The data partition is read by name, and a wrong name is refused naming the right ones.
+        let with_partition = |name: &str| {
+            toml::from_str::<ClusterFile>(&text("").replace(
+                "[training]\n",
+                &format!("[training]\ndata_partition = \"{name}\"\n"),
+            ))
+        };
+        assert_eq!(
+            with_partition("fixed").unwrap().training.data_partition,
+            Some(engine::data::sampler::DataPartition::Fixed)
+        );
+        let wrong = with_partition("local").unwrap_err().to_string();
+        assert!(wrong.contains("reshuffled"), "{wrong}");
         for bad in [-1, 20] {
             let file: ClusterFile =
                 toml::from_str(&text(&format!("trainer_nice = {bad}\n"))).unwrap();

@@ -124,9 +124,7 @@ pub fn swarm(args: ProcessArgs) -> Result<()> {
 /// Sets this thread's niceness to `nice` (0–19) before any other thread starts, so every
 /// thread of the process inherits it (Linux keeps a niceness per thread).
 fn lower_cpu_priority(key: &str, nice: i32) -> Result<()> {
-    if !(0..=19).contains(&nice) {
-        anyhow::bail!("{key} = {nice}: must be 0 (unchanged) to 19 (the lowest priority)");
-    }
+    crate::cluster_file::check_niceness(key, nice)?;
     if nice == 0 {
         return Ok(());
     }

@@ -32,7 +32,6 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
 
 use engine::checkpoint::NamedTensor;
-use engine::data::sampler::ShardedSampler;
 use engine::lr::LrSchedule;
 use engine::optim::OptimizerConfig;
 use engine::outer::{self, Landing, OuterState};
@@ -526,7 +525,8 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         total_steps: cfg.steps,
         min_lr: cfg.lr * 0.1,
     };
-    let mut sampler = ShardedSampler::new(task.train_len(), rank, cfg.workers, cfg.seed, true)
+    let mut sampler = task
+        .sampler(rank, cfg.workers, cfg.seed)
         .map_err(|e| TrainError::Config(e.to_string()))?;
     let mut rng = ChaCha8Rng::seed_from_u64(
         cfg.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)),

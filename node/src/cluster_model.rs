@@ -151,14 +151,10 @@ fn default_seed() -> u64 {
 }
 
 impl ModelSection {
-    /// Loads the task (model + data). Errors say which model or data set failed and why.
+    /// Loads the task (model + data, the whole training set reshuffled every epoch). Errors
+    /// say which model or data set failed and why.
     pub fn load_task(&self) -> Result<Task, String> {
-        let resolved = self.resolved()?;
-        let kind: ModelKind = resolved.model.parse()?;
-        let data = load_data(&resolved.dataset, resolved.data_dir.as_deref())?;
-        let task = Task::new(kind, &resolved.dataset, data)?;
-        task.require_builtin("a cluster")?;
-        Ok(task)
+        self.load_task_for(DataPartition::Reshuffled, 0..1, 1)
     }
 
     /// [`Self::load_task`] for ranks `ranks` of `world` dealt out as `partition` says: with
@@ -169,18 +165,22 @@ impl ModelSection {
         ranks: std::ops::Range<usize>,
         world: usize,
     ) -> Result<Task, String> {
-        if partition == DataPartition::Reshuffled {
-            return self.load_task();
-        }
         let resolved = self.resolved()?;
         let kind: ModelKind = resolved.model.parse()?;
-        let (data, sampling) = crate::data_shards::load_fixed_shards(
-            &resolved.dataset,
-            resolved.data_dir.as_deref(),
-            ranks,
-            world,
-            resolved.seed,
-        )?;
+        let dir = resolved.data_dir.as_deref();
+        let (data, sampling) = match partition {
+            DataPartition::Reshuffled => (
+                load_data(&resolved.dataset, dir)?,
+                crate::data_shards::Sampling::whole(partition),
+            ),
+            DataPartition::Fixed => crate::data_shards::load_fixed_shards(
+                &resolved.dataset,
+                dir,
+                ranks,
+                world,
+                resolved.seed,
+            )?,
+        };
         let mut task = Task::new(kind, &resolved.dataset, data)?;
         task.require_builtin("a cluster")?;
         task.sampling = sampling;

@@ -37,11 +37,6 @@ impl Sampling {
         }
     }
 
-    /// Whether the process holds only some of the training samples.
-    pub fn holds_a_subset(&self) -> bool {
-        self.held.is_some()
-    }
-
     /// The sampler of rank `rank` of `world` over the `held_len` samples the task holds.
     /// Errors when the rank's samples are not held (a subset loaded for other ranks, or one
     /// that cannot be reshuffled).
@@ -93,6 +88,7 @@ pub fn load_fixed_shards(
     world: usize,
     seed: u64,
 ) -> Result<(TaskData, Sampling), String> {
+    // The ascending indices of the ranks' samples in a training set of `full_len`.
     let union = |full_len: usize| -> Result<Vec<usize>, DataError> {
         let mut held = Vec::new();
         for rank in ranks.clone() {
@@ -101,44 +97,36 @@ pub fn load_fixed_shards(
         held.sort_unstable();
         Ok(held)
     };
-    let subset_of = |tt: &TrainTest| -> Result<(TrainTest, Sampling), String> {
-        let full_len = tt.train.len();
-        let held = union(full_len).map_err(|e| format!("{dataset}: {e}"))?;
-        let train = tt.train.subset(&held);
-        let sampling = Sampling {
-            partition: DataPartition::Fixed,
-            held: Some(held.into()),
-            full_len,
-        };
-        Ok((
-            TrainTest {
-                train,
-                test: tt.test.clone(),
-            },
-            sampling,
-        ))
+    let holding = |held: Vec<usize>, full_len: usize| Sampling {
+        partition: DataPartition::Fixed,
+        held: Some(held.into()),
+        full_len,
     };
-    if dataset == "mnist" {
-        if let Some(mnist_dir) = dir.map(crate::task::mnist_folder) {
-            let full_len = std::cell::Cell::new(0);
-            let tt = engine::data::mnist::load_mnist_train_subset(&mnist_dir, &|count| {
-                full_len.set(count);
-                union(count)
-            })
-            .map_err(|e| e.to_string())?;
-            let held = union(full_len.get()).map_err(|e| e.to_string())?;
-            let sampling = Sampling {
-                partition: DataPartition::Fixed,
-                held: Some(held.into()),
-                full_len: full_len.get(),
-            };
-            return Ok((TaskData::Images(Arc::new(tt)), sampling));
-        }
+    if let (true, Some(dir)) = (dataset == "mnist", dir) {
+        // Only the kept images are read into memory; the selection is made once, from the
+        // size in the file's header, and kept for the sampler.
+        let selected = std::cell::RefCell::new((Vec::new(), 0));
+        let tt = engine::data::mnist::load_mnist_train_subset(
+            &crate::task::mnist_folder(dir),
+            &|count| {
+                let held = union(count)?;
+                *selected.borrow_mut() = (held.clone(), count);
+                Ok(held)
+            },
+        )
+        .map_err(|e| e.to_string())?;
+        let (held, full_len) = selected.into_inner();
+        return Ok((TaskData::Images(Arc::new(tt)), holding(held, full_len)));
     }
     match load_data(dataset, dir)? {
         TaskData::Images(tt) => {
-            let (tt, sampling) = subset_of(&tt)?;
-            Ok((TaskData::Images(Arc::new(tt)), sampling))
+            let full_len = tt.train.len();
+            let held = union(full_len).map_err(|e| format!("{dataset}: {e}"))?;
+            let subset = TrainTest {
+                train: tt.train.subset(&held),
+                test: tt.test.clone(),
+            };
+            Ok((TaskData::Images(Arc::new(subset)), holding(held, full_len)))
         }
         chars @ TaskData::Chars(_) => Ok((chars, Sampling::whole(DataPartition::Fixed))),
     }

@@ -52,30 +52,6 @@ pub enum DataPartition {
     Fixed,
 }
 
-impl DataPartition {
-    /// The name used in configs (`reshuffled`, `fixed`).
-    pub fn name(self) -> &'static str {
-        match self {
-            DataPartition::Reshuffled => "reshuffled",
-            DataPartition::Fixed => "fixed",
-        }
-    }
-}
-
-impl std::str::FromStr for DataPartition {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "reshuffled" => Ok(DataPartition::Reshuffled),
-            "fixed" => Ok(DataPartition::Fixed),
-            other => Err(format!(
-                "data partition '{other}': expected 'reshuffled' (a new permutation of the whole \
-                 set every epoch) or 'fixed' (each rank keeps its own shard)"
-            )),
-        }
-    }
-}
-
 /// Rank `rank`'s fixed shard of a data set of `dataset_len` samples: its epoch-0 shard of the
 /// reshuffled partition (`drop_last`, so shards are disjoint and equal), in drawing order.
 pub fn fixed_shard(
@@ -334,11 +310,6 @@ mod tests {
             "fixed shards overlap"
         );
         assert!(ShardedSampler::fixed(Vec::new(), 0, seed).is_err());
-        assert_eq!("fixed".parse::<DataPartition>(), Ok(DataPartition::Fixed));
-        assert!("local"
-            .parse::<DataPartition>()
-            .unwrap_err()
-            .contains("reshuffled"));
     }
 
     proptest! {
