@@ -107,6 +107,11 @@ pub struct TrainArgs {
     /// Streaming DiLoCo: inner steps a fragment's exchange overlaps (τ, below the period).
     #[arg(long)]
     pub fragment_delay: Option<u64>,
+    /// DreamDDP: the largest sync unit in KiB; a larger layer is split into chunks scheduled
+    /// as units of their own (0: whole layers; default: chosen by the configuration search
+    /// with `--schedule auto`, whole layers otherwise).
+    #[arg(long)]
+    pub sync_unit_kb: Option<u64>,
     /// DiLoCo / Streaming DiLoCo outer learning rate (default 0.7).
     #[arg(long)]
     pub outer_lr: Option<f32>,
@@ -199,6 +204,7 @@ pub struct TrainFile {
     period: Option<u64>,
     delay: Option<u64>,
     fragment_delay: Option<u64>,
+    sync_unit_kb: Option<u64>,
     outer_lr: Option<f32>,
     outer_momentum: Option<f32>,
     mix: Option<f32>,
@@ -246,6 +252,7 @@ impl TrainArgs {
             period,
             delay,
             fragment_delay,
+            sync_unit_kb,
             outer_lr,
             outer_momentum,
             mix,

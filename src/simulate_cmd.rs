@@ -407,9 +407,10 @@ pub fn print_table(s: &SimSummary) {
                 c.schedule == engine::plan::ScheduleKind::Profiled
                     && c.delay == 1
                     && !c.whole_groups
+                    && c.unit_params == 0
             });
             println!(
-                "  {:<16} configuration search: {} schedule, {} phase groups, delay {}, {} \
+                "  {:<16} configuration search: {} schedule, {} phase groups, delay {}, {}, {} \
                  (modelled step {:.2} ms{}; {} candidates in summary.json)",
                 r.strategy,
                 chosen.schedule,
@@ -419,6 +420,14 @@ pub fn print_table(s: &SimSummary) {
                     "one exchange per group"
                 } else {
                     "DDP bucket caps"
+                },
+                if chosen.unit_params == 0 {
+                    "whole layers".to_string()
+                } else {
+                    format!(
+                        "sync units <= {} KiB",
+                        (chosen.unit_params * 4).div_ceil(1024)
+                    )
                 },
                 chosen.step_s * 1e3,
                 best_paper.map_or(String::new(), |p| format!(

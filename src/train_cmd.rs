@@ -37,6 +37,8 @@ pub struct Resolved {
     pub delay: Option<u64>,
     /// Streaming DiLoCo's τ (`--fragment-delay`; `None`: 1).
     pub fragment_delay: Option<u64>,
+    /// DreamDDP's largest sync unit in KiB (`--sync-unit-kb`; `None`: chosen by the search).
+    pub sync_unit_kb: Option<u64>,
     /// Outer optimizer of diloco / streaming-diloco.
     pub outer: OuterConfig,
     /// The step profile measured for `--link auto`, reused by the DreamDDP schedule.
@@ -165,6 +167,7 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         bubble_fill: args.bubble_fill,
         delay: args.delay,
         fragment_delay: args.fragment_delay,
+        sync_unit_kb: args.sync_unit_kb,
         outer,
         profile,
         link_spec,
@@ -265,8 +268,9 @@ pub use simulations::clusters::SimStrategy as Variant;
 pub fn plan_for(r: &Resolved, variant: impl Into<Variant>) -> Result<SyncPlan> {
     let variant = variant.into();
     let strategy = variant.strategy;
-    let (schedule, delay) = if variant.paper {
-        (ScheduleKind::Profiled, Some(1))
+    let (schedule, delay, sync_unit_kb) = if variant.paper {
+        // The paper's algorithm: whole layers, the profiled DFS, no delay.
+        (ScheduleKind::Profiled, Some(1), Some(0))
     } else {
         (
             r.schedule,
@@ -274,6 +278,7 @@ pub fn plan_for(r: &Resolved, variant: impl Into<Variant>) -> Result<SyncPlan> {
                 Strategy::StreamingDiloco => r.fragment_delay,
                 _ => r.delay,
             },
+            r.sync_unit_kb,
         )
     };
     build_plan(&PlanInputs {
@@ -284,6 +289,7 @@ pub fn plan_for(r: &Resolved, variant: impl Into<Variant>) -> Result<SyncPlan> {
         overrides: &r.overrides,
         bubble_filling: r.bubble_fill,
         delay,
+        sync_unit_kb,
         outer: r.outer,
         link: &r.cfg.link,
         workers: r.cfg.workers,

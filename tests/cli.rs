@@ -135,8 +135,16 @@ fn bad_flags_get_clear_errors() {
             "valid: ssgd, wfbp, localsgd, dreamddp, plsgd, diloco, streaming-diloco",
         ),
         (
-            &["train", "--dataset", "digits", "--period", "9"],
-            "period 9",
+            &[
+                "train",
+                "--dataset",
+                "digits",
+                "--period",
+                "9",
+                "--sync-unit-kb",
+                "0",
+            ],
+            "--sync-unit-kb",
         ),
         (&["train", "--dataset", "digits", "--link", "1gbt"], "1gbt"),
         (

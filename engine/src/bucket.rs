@@ -48,8 +48,9 @@ impl Default for BucketCaps {
 pub struct Bucket {
     /// Position of the bucket in backward order (0 = the first to be sent).
     pub id: usize,
-    /// Model layer indices ([`LayerInfo::index`]) in backward order.
-    pub layers: Vec<usize>,
+    /// Its units in backward order, by the `index` of the [`LayerInfo`]s it was packed from
+    /// (a [`crate::plan::SyncPlan`]'s buckets: unit ids, [`crate::plan::UnitPlan::id`]).
+    pub units: Vec<usize>,
     /// Total f32 parameters of the bucket.
     pub params: usize,
 }
@@ -79,7 +80,7 @@ pub fn make_buckets<K: PartialEq>(
             open = Some((
                 Bucket {
                     id: 0,
-                    layers: vec![unit.index],
+                    units: vec![unit.index],
                     params: unit.params,
                 },
                 key,
@@ -99,14 +100,14 @@ pub fn make_buckets<K: PartialEq>(
         }
         match &mut open {
             Some((bucket, _)) => {
-                bucket.layers.push(unit.index);
+                bucket.units.push(unit.index);
                 bucket.params += unit.params;
             }
             None => {
                 open = Some((
                     Bucket {
                         id: 0,
-                        layers: vec![unit.index],
+                        units: vec![unit.index],
                         params: unit.params,
                     },
                     key,
@@ -154,8 +155,8 @@ mod tests {
         let u = units(&[300 * K; 10]);
         let b = make_buckets(&u, |_| 0u64, &BucketCaps::default());
         assert_eq!(b.len(), 2);
-        assert_eq!(b[0].layers, vec![18, 16, 14]);
-        assert_eq!(b[1].layers, vec![12, 10, 8, 6, 4, 2, 0]);
+        assert_eq!(b[0].units, vec![18, 16, 14]);
+        assert_eq!(b[1].units, vec![12, 10, 8, 6, 4, 2, 0]);
         assert_eq!(b[1].params, 7 * 300 * K);
         assert_eq!((b[0].id, b[1].id), (0, 1));
     }
@@ -165,7 +166,7 @@ mod tests {
         let u = units(&[10, 10, 10, 10]);
         // index → phase: 6,4 → phase 0; 2 → phase 1; 0 → phase 0.
         let b = make_buckets(&u, |i| u64::from(i == 2), &BucketCaps::default());
-        let layers: Vec<_> = b.iter().map(|b| b.layers.clone()).collect();
+        let layers: Vec<_> = b.iter().map(|b| b.units.clone()).collect();
         assert_eq!(layers, vec![vec![6, 4], vec![2], vec![0]]);
     }
 
@@ -174,7 +175,7 @@ mod tests {
         let big = 11 * MIB / BYTES_PER_PARAM;
         let u = units(&[10, big, 10, 10]);
         let b = make_buckets(&u, |_| 0u64, &BucketCaps::default());
-        let layers: Vec<_> = b.iter().map(|b| b.layers.clone()).collect();
+        let layers: Vec<_> = b.iter().map(|b| b.units.clone()).collect();
         assert_eq!(layers, vec![vec![6], vec![4], vec![2, 0]]);
         assert_eq!(b[1].bytes(), 11 * MIB);
     }
@@ -208,17 +209,17 @@ mod tests {
             let key = |i: usize| phases[i / 2];
             let caps = BucketCaps::default();
             let b = make_buckets(&u, key, &caps);
-            let flat: Vec<usize> = b.iter().flat_map(|b| b.layers.iter().copied()).collect();
+            let flat: Vec<usize> = b.iter().flat_map(|b| b.units.iter().copied()).collect();
             let expected: Vec<usize> = u.iter().map(|l| l.index).collect();
             prop_assert_eq!(flat, expected);
             for (id, bucket) in b.iter().enumerate() {
                 prop_assert_eq!(bucket.id, id);
-                prop_assert!(!bucket.layers.is_empty());
-                let k0 = key(bucket.layers[0]);
-                prop_assert!(bucket.layers.iter().all(|&i| key(i) == k0));
+                prop_assert!(!bucket.units.is_empty());
+                let k0 = key(bucket.units[0]);
+                prop_assert!(bucket.units.iter().all(|&i| key(i) == k0));
                 let cap = if id == 0 { caps.first_cap_bytes } else { caps.cap_bytes };
-                prop_assert!(bucket.layers.len() == 1 || bucket.bytes() <= cap);
-                let sum: usize = u.iter().filter(|l| bucket.layers.contains(&l.index))
+                prop_assert!(bucket.units.len() == 1 || bucket.bytes() <= cap);
+                let sum: usize = u.iter().filter(|l| bucket.units.contains(&l.index))
                     .map(|l| l.params).sum();
                 prop_assert_eq!(sum, bucket.params);
             }

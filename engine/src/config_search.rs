@@ -56,6 +56,10 @@ pub struct Candidate {
     /// caps (`false`, the configured caps).
     #[serde(default)]
     pub whole_groups: bool,
+    /// The largest sync unit in f32 values (a larger layer is split into chunks); 0: whole
+    /// layers.
+    #[serde(default)]
+    pub unit_params: usize,
     /// Modelled mean step seconds.
     pub step_s: f64,
     /// Whether the search chose it.
@@ -73,12 +77,11 @@ pub fn modelled_step_time(
     let delay = plan.delay();
     let steps = h * MODELLED_PERIODS;
     let buckets = plan.buckets();
-    // Per model layer: the bucket it opens (first in backward order) and the one it closes.
-    let layer_count = plan.units().iter().map(|u| u.index + 1).max().unwrap_or(0);
-    let mut opens = vec![None; layer_count];
-    let mut closes = vec![None; layer_count];
+    // Per unit: the bucket it opens (first in backward order) and the one it closes.
+    let mut opens = vec![None; plan.units().len()];
+    let mut closes = vec![None; plan.units().len()];
     for (b, bucket) in buckets.iter().enumerate() {
-        if let (Some(&first), Some(&last)) = (bucket.layers.first(), bucket.layers.last()) {
+        if let (Some(&first), Some(&last)) = (bucket.units.first(), bucket.units.last()) {
             opens[first] = Some(b);
             closes[last] = Some(b);
         }
@@ -93,22 +96,25 @@ pub fn modelled_step_time(
             warm_end = t.max(link_free);
         }
         let mut c = t + profile.forward_s;
-        for unit in &profile.layers {
-            c += unit.backward_s;
-            let due = plan.is_due(n, unit.index);
-            if let Some(b) = opens.get(unit.index).copied().flatten() {
-                if let Some((launched, end)) = pending[b] {
-                    if n >= launched + delay || due {
-                        c = c.max(end);
-                        pending[b] = None;
+        for layer in &profile.layers {
+            c += layer.backward_s;
+            // A layer's units (its chunks) are all ready when its backward ends.
+            for unit in plan.units_of_layer(layer.index).iter().rev() {
+                let due = unit.is_due(n);
+                if let Some(b) = opens[unit.id] {
+                    if let Some((launched, end)) = pending[b] {
+                        if n >= launched + delay || due {
+                            c = c.max(end);
+                            pending[b] = None;
+                        }
                     }
                 }
-            }
-            if let Some(b) = closes.get(unit.index).copied().flatten() {
-                if due {
-                    let start = c.max(link_free);
-                    link_free = start + comm_s[b];
-                    pending[b] = Some((n, link_free));
+                if let Some(b) = closes[unit.id] {
+                    if due {
+                        let start = c.max(link_free);
+                        link_free = start + comm_s[b];
+                        pending[b] = Some((n, link_free));
+                    }
                 }
             }
         }
@@ -134,15 +140,21 @@ pub fn search(
     if !searching {
         return SyncPlan::new(model, units_forward, config, Some(profile));
     }
-    let schedules: Vec<(ScheduleKind, Option<u64>)> = match config.schedule {
-        ScheduleKind::Auto => std::iter::once((ScheduleKind::Profiled, None))
-            .chain(
-                (1..=h.min(units_forward.len() as u64))
-                    .rev()
-                    .map(|g| (ScheduleKind::Equal, Some(g))),
-            )
-            .collect(),
-        kind => vec![(kind, config.groups)],
+    let schedules = |unit_count: usize| -> Vec<(ScheduleKind, Option<u64>)> {
+        match config.schedule {
+            ScheduleKind::Auto => std::iter::once((ScheduleKind::Profiled, None))
+                .chain(
+                    (1..=h.min(unit_count as u64))
+                        .rev()
+                        .map(|g| (ScheduleKind::Equal, Some(g))),
+                )
+                .collect(),
+            kind => vec![(kind, config.groups)],
+        }
+    };
+    let unit_caps = match config.sync_unit_params {
+        Some(cap) => vec![cap],
+        None => chunk_caps(units_forward, h),
     };
     let delays: Vec<u64> = match config.delay {
         Some(d) => vec![d],
@@ -158,39 +170,47 @@ pub fn search(
     let mut built: Vec<(SyncPlan, Candidate)> = Vec::new();
     let mut first_error = None;
     for &delay in &delays {
-        for &(schedule, groups) in &schedules {
-            for whole_groups in [false, true] {
-                let mut c = config.clone();
-                c.schedule = schedule;
-                c.groups = groups;
-                c.delay = Some(delay);
-                if whole_groups {
-                    c.bucket_caps = whole;
-                }
-                match SyncPlan::new(model, units_forward, &c, Some(profile)) {
-                    Ok(plan) => {
-                        if whole_groups
-                            && plan.buckets().len()
-                                == built.last().map_or(0, |b| b.0.buckets().len())
-                        {
-                            // The caps split nothing: the same plan as the previous candidate.
-                            continue;
-                        }
-                        let step_s = modelled_step_time(&plan, profile, comm);
-                        built.push((
-                            plan,
-                            Candidate {
-                                schedule,
-                                groups: groups.unwrap_or(h),
-                                delay,
-                                whole_groups,
-                                step_s,
-                                chosen: false,
-                            },
-                        ));
+        for &unit_params in &unit_caps {
+            let unit_count = units_forward
+                .iter()
+                .map(|u| crate::sync_units::chunk_lengths(u.params, 1, unit_params).len())
+                .sum();
+            for (schedule, groups) in schedules(unit_count) {
+                for whole_groups in [false, true] {
+                    let mut c = config.clone();
+                    c.schedule = schedule;
+                    c.groups = groups;
+                    c.delay = Some(delay);
+                    c.sync_unit_params = Some(unit_params);
+                    if whole_groups {
+                        c.bucket_caps = whole;
                     }
-                    Err(e) => {
-                        first_error.get_or_insert(e);
+                    match SyncPlan::new(model, units_forward, &c, Some(profile)) {
+                        Ok(plan) => {
+                            if whole_groups
+                                && plan.buckets().len()
+                                    == built.last().map_or(0, |b| b.0.buckets().len())
+                            {
+                                // The caps split nothing: the same plan as the previous candidate.
+                                continue;
+                            }
+                            let step_s = modelled_step_time(&plan, profile, comm);
+                            built.push((
+                                plan,
+                                Candidate {
+                                    schedule,
+                                    groups: groups.unwrap_or(h),
+                                    delay,
+                                    whole_groups,
+                                    unit_params,
+                                    step_s,
+                                    chosen: false,
+                                },
+                            ));
+                        }
+                        Err(e) => {
+                            first_error.get_or_insert(e);
+                        }
                     }
                 }
             }
@@ -200,7 +220,8 @@ pub fn search(
         .iter()
         .map(|(_, c)| c.step_s)
         .fold(f64::INFINITY, f64::min);
-    // `built` is in preference order: smaller delay first, then profiled, then more groups.
+    // `built` is in preference order: smaller delay first, then whole layers, then profiled,
+    // then more groups.
     let Some(pick) = built
         .iter()
         .position(|(_, c)| c.step_s <= best * (1.0 + TIE_TOLERANCE))
@@ -214,6 +235,22 @@ pub fn search(
     let mut plan = built.swap_remove(pick).0;
     plan.set_search(candidates);
     Ok(plan)
+}
+
+/// The unit sizes the search tries: whole layers (0), then caps of the model's size over
+/// `H`, `2H` and `4H` (so each step of the period can carry an equal share), each only if it
+/// splits some layer.
+fn chunk_caps(units_forward: &[LayerInfo], h: u64) -> Vec<usize> {
+    let total: usize = units_forward.iter().map(|u| u.params).sum();
+    let largest = units_forward.iter().map(|u| u.params).max().unwrap_or(0);
+    let mut caps = vec![0];
+    for k in [h, 2 * h, 4 * h] {
+        let cap = total.div_ceil(k.max(1) as usize).max(1);
+        if cap < largest && !caps.contains(&cap) {
+            caps.push(cap);
+        }
+    }
+    caps
 }
 
 #[cfg(test)]
@@ -308,8 +345,46 @@ mod tests {
         );
         assert!(d2 < d1, "delay 2 {d2} vs delay 1 {d1}");
         assert!((d2 - 5.0).abs() < 1e-9, "{d2}");
-        let plan = search("m", &u, &config(4), &p, &|n| comm(n)).unwrap();
+        // With whole layers (chunks would spread the 8 s exchange over the steps instead).
+        let mut layers = config(4);
+        layers.sync_unit_params = Some(0);
+        let plan = search("m", &u, &layers, &p, &|n| comm(n)).unwrap();
         assert_eq!(plan.delay(), 2);
+    }
+
+    #[test]
+    fn a_large_layer_is_chunked_so_each_step_carries_a_share() {
+        // One layer holds 77 % of the parameters: its exchange (12 s) is longer than two steps
+        // of compute (5 s each), so with whole layers only a delay of 3 hides it. Chunks
+        // spread it over the period's steps, and every average lands one step later.
+        let u = units(&[1000, 100, 100, 100]);
+        let p = profile(&u, 1.0, 1.0);
+        let comm = |params: usize| params as f64 * 0.012;
+        let plan = search("m", &u, &config(4), &p, &comm).unwrap();
+        let candidates = plan.search_candidates().unwrap();
+        let chosen = candidates.iter().find(|c| c.chosen).unwrap();
+        assert!(chosen.unit_params > 0, "{chosen:?}");
+        assert_eq!(chosen.delay, 1, "{chosen:?}");
+        assert!(chosen.step_s <= 5.0 * 1.02, "{chosen:?}");
+        let whole_d1 = candidates
+            .iter()
+            .filter(|c| c.unit_params == 0 && c.delay == 1)
+            .map(|c| c.step_s)
+            .fold(f64::INFINITY, f64::min);
+        assert!(whole_d1 > chosen.step_s * 1.05, "{whole_d1} vs {chosen:?}");
+        assert!(plan.units().len() > 4);
+        assert!(plan.describe().contains("units <= "), "{}", plan.describe());
+
+        // A fixed unit size is kept: whole layers only.
+        let mut layers = config(4);
+        layers.sync_unit_params = Some(0);
+        let plan = search("m", &u, &layers, &p, &comm).unwrap();
+        assert!(plan
+            .search_candidates()
+            .unwrap()
+            .iter()
+            .all(|c| c.unit_params == 0));
+        assert_eq!(plan.units().len(), 4);
     }
 
     #[test]

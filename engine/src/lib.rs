@@ -12,6 +12,7 @@
 //!   that carries communication across steps.
 //! * [`divergence`]: a trainer's relative distance to the global model (the divergence monitor's
 //!   input).
+//! * [`sync_units`]: the rule that splits a large layer into chunks (sync units of bounded size).
 //! * [`outer`]: how a parameter average lands (replace, rebase, DiLoCo's outer Nesterov step).
 
 pub mod backend;
@@ -33,6 +34,7 @@ pub mod plan;
 pub mod replica;
 pub mod schedule;
 pub mod staleness;
+pub mod sync_units;
 pub mod tensor;
 
 #[cfg(test)]

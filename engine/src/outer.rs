@@ -124,7 +124,8 @@ pub struct OuterState {
 }
 
 impl OuterState {
-    /// An empty state for a model of `layer_count` layers.
+    /// An empty state for `layer_count` keys: the sync units of a plan, by unit id (a whole
+    /// layer, or one chunk of a split layer, has its own anchor and momentum).
     pub fn new(config: &OuterConfig, layer_count: usize) -> Self {
         Self {
             lr: config.lr,

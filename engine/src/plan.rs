@@ -45,7 +45,7 @@ use crate::bucket::{make_buckets, Bucket, BucketCaps};
 use crate::config_search::Candidate;
 use crate::model::LayerInfo;
 use crate::outer::{Landing, OuterConfig, OuterConfigError};
-use crate::schedule::{self, DreamSchedule, ModelProfile, ScheduleError};
+use crate::schedule::{self, DreamSchedule, LayerProfile, ModelProfile, ScheduleError};
 
 /// An unknown name given for a [`Strategy`] or a [`ScheduleKind`].
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -226,7 +226,7 @@ pub enum PlanError {
     /// A DreamDDP period longer than the number of sync units.
     #[error(
         "period {period} needs at least {period} sync units; model {model} has {units} \
-         — lower --period or use localsgd"
+         — lower --period, split large layers into chunks (--sync-unit-kb), or use localsgd"
     )]
     PeriodExceedsUnits {
         /// The period asked for.
@@ -355,6 +355,11 @@ pub struct PlanConfig {
     pub outer: OuterConfig,
     /// Phase groups of the `equal` schedule (1..=H; `None`: H, one group per phase).
     pub groups: Option<u64>,
+    /// The largest sync unit, in f32 values: a layer over it is split into chunks
+    /// ([`crate::sync_units`]), each scheduled and bucketed as a unit of its own. `Some(0)`:
+    /// whole layers. `None`: whole layers here; [`crate::config_search::search`] also tries
+    /// chunk sizes for `dreamddp`.
+    pub sync_unit_params: Option<usize>,
 }
 
 impl PlanConfig {
@@ -371,18 +376,25 @@ impl PlanConfig {
             delay: None,
             outer: OuterConfig::default(),
             groups: None,
+            sync_unit_params: None,
         }
     }
 }
 
-/// The plan of one sync unit.
+/// The plan of one sync unit: a whole layer, or one chunk of a layer split by
+/// [`PlanConfig::sync_unit_params`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnitPlan {
+    /// Unit id: the position in [`SyncPlan::units`] (forward order). Buckets and the sync
+    /// machine name units by it.
+    pub id: usize,
     /// Model layer index.
     pub index: usize,
-    /// Layer name.
+    /// Unit name: the layer's, with `[i/n]` for chunk `i` of `n`.
     pub name: String,
-    /// f32 parameters.
+    /// Where the unit starts in its layer's flat parameters (0 unless a chunk).
+    pub offset: usize,
+    /// f32 parameters of the unit.
     pub params: usize,
     /// Period of this unit (1 for gradient strategies).
     pub period: u64,
@@ -393,7 +405,8 @@ pub struct UnitPlan {
 }
 
 impl UnitPlan {
-    fn is_due(&self, step: u64) -> bool {
+    /// Whether the unit is synchronized at global step `step`.
+    pub fn is_due(&self, step: u64) -> bool {
         self.phases.binary_search(&(step % self.period)).is_ok()
     }
 }
@@ -407,8 +420,9 @@ pub struct SyncPlan {
     schedule_kind: ScheduleKind,
     /// Units in forward order.
     units: Vec<UnitPlan>,
-    /// Model layer index → position in `units`.
-    unit_of_layer: Vec<Option<usize>>,
+    /// Model layer index → the ids of its units (`start..end`; empty for a layer without
+    /// parameters).
+    units_of_layer: Vec<std::ops::Range<usize>>,
     buckets: Vec<Bucket>,
     schedule: Option<DreamSchedule>,
     delay: u64,
@@ -436,7 +450,24 @@ impl SyncPlan {
                 model: model.to_string(),
             });
         }
-        let overrides = resolve_overrides(units_forward, config)?;
+        let layer_overrides = resolve_overrides(units_forward, config)?;
+        let layers_backward: Vec<LayerInfo> = units_forward.iter().rev().cloned().collect();
+        let chunks = split_layers(units_forward, config.sync_unit_params.unwrap_or(0));
+        let overrides: Vec<Option<u64>> = chunks
+            .iter()
+            .map(|c| layer_overrides[c.layer_position])
+            .collect();
+        // The schedule and the buckets see the units by id (`index` = position).
+        let units_forward: Vec<LayerInfo> = chunks
+            .iter()
+            .enumerate()
+            .map(|(id, c)| LayerInfo {
+                index: id,
+                name: c.name.clone(),
+                kind: units_forward[c.layer_position].kind,
+                params: c.params,
+            })
+            .collect();
         let units_backward: Vec<LayerInfo> = units_forward.iter().rev().cloned().collect();
 
         if config.strategy.uses_outer_optimizer() {
@@ -466,9 +497,9 @@ impl SyncPlan {
                 ScheduleKind::Auto => unreachable!("resolved above"),
                 ScheduleKind::Profiled => {
                     let profile = profile.ok_or(PlanError::MissingProfile)?;
-                    check_profile(&units_backward, profile)?;
+                    check_profile(&layers_backward, profile)?;
                     schedule::profiled_with(
-                        &profile.layers,
+                        &unit_profiles(profile, &chunks),
                         h,
                         profile.forward_s,
                         &schedule::SearchOptions {
@@ -509,9 +540,12 @@ impl SyncPlan {
                 } else {
                     1
                 };
+                let chunk = &chunks[position];
                 UnitPlan {
-                    index: info.index,
+                    id: position,
+                    index: chunk.layer,
                     name: info.name.clone(),
+                    offset: chunk.offset,
                     params: info.params,
                     period,
                     phases,
@@ -521,22 +555,23 @@ impl SyncPlan {
             .collect();
 
         let max_index = units.iter().map(|u| u.index).max().unwrap_or(0);
-        let mut unit_of_layer = vec![None; max_index + 1];
-        for (position, u) in units.iter().enumerate() {
-            unit_of_layer[u.index] = Some(position);
+        let mut units_of_layer = vec![0..0; max_index + 1];
+        for u in &units {
+            let range = &mut units_of_layer[u.index];
+            if range.start == range.end {
+                *range = u.id..u.id + 1;
+            } else {
+                range.end = u.id + 1;
+            }
         }
 
         let buckets = {
-            let key = |index: usize| {
-                let u = &units[unit_of_layer[index].expect("bucketed layer is a unit")];
-                (u.period, u.phases.as_slice())
-            };
+            let key = |id: usize| (units[id].period, units[id].phases.as_slice());
             make_buckets(&units_backward, key, &config.bucket_caps)
         };
         for b in &buckets {
-            for &index in &b.layers {
-                let position = unit_of_layer[index].expect("bucketed layer is a unit");
-                units[position].bucket = b.id;
+            for &id in &b.units {
+                units[id].bucket = b.id;
             }
         }
 
@@ -550,7 +585,7 @@ impl SyncPlan {
             },
             schedule_kind,
             units,
-            unit_of_layer,
+            units_of_layer,
             buckets,
             schedule,
             delay,
@@ -593,21 +628,41 @@ impl SyncPlan {
         }
     }
 
-    /// Whether layer `layer_index` (model index) is synchronized at global step `step`
-    /// (gradients for `ssgd`/`wfbp`, parameters otherwise). False for layers without
-    /// parameters or outside the model.
+    /// Whether layer `layer_index` (model index), or one of its chunks, is synchronized at
+    /// global step `step` (gradients for `ssgd`/`wfbp`, parameters otherwise). False for
+    /// layers without parameters or outside the model.
     pub fn is_due(&self, step: u64, layer_index: usize) -> bool {
-        self.unit(layer_index).is_some_and(|u| u.is_due(step))
+        self.units_of_layer(layer_index)
+            .iter()
+            .any(|u| u.is_due(step))
     }
 
-    /// Model indices of the layers due at `step`, in **backward** order (the order their
-    /// gradients become ready).
+    /// Whether unit `id` ([`UnitPlan::id`]) is synchronized at global step `step`.
+    pub fn unit_is_due(&self, step: u64, id: usize) -> bool {
+        self.units.get(id).is_some_and(|u| u.is_due(step))
+    }
+
+    /// Model indices of the layers with a unit due at `step`, in **backward** order (the
+    /// order their gradients become ready).
     pub fn due_layers(&self, step: u64) -> Vec<usize> {
-        self.units
+        let mut layers: Vec<usize> = self
+            .units
             .iter()
             .rev()
             .filter(|u| u.is_due(step))
             .map(|u| u.index)
+            .collect();
+        layers.dedup();
+        layers
+    }
+
+    /// Ids of the units due at `step`, in backward order.
+    pub fn due_units(&self, step: u64) -> Vec<usize> {
+        self.units
+            .iter()
+            .rev()
+            .filter(|u| u.is_due(step))
+            .map(|u| u.id)
             .collect()
     }
 
@@ -636,10 +691,19 @@ impl SyncPlan {
         &self.units
     }
 
-    /// The plan of layer `layer_index`, if it is a sync unit.
+    /// The plan of layer `layer_index`'s first unit (the whole layer unless it is chunked),
+    /// if the layer has parameters.
     pub fn unit(&self, layer_index: usize) -> Option<&UnitPlan> {
-        let position = (*self.unit_of_layer.get(layer_index)?)?;
-        Some(&self.units[position])
+        self.units_of_layer(layer_index).first()
+    }
+
+    /// The units of layer `layer_index` in forward order (one unless it is chunked; none for
+    /// a layer without parameters).
+    pub fn units_of_layer(&self, layer_index: usize) -> &[UnitPlan] {
+        match self.units_of_layer.get(layer_index) {
+            Some(range) => &self.units[range.clone()],
+            None => &[],
+        }
     }
 
     /// The DreamDDP schedule (units in backward order), for `dreamddp` only.
@@ -709,12 +773,17 @@ impl SyncPlan {
         if let Some(candidates) = &self.search {
             let _ = writeln!(
                 out,
-                "configuration search (modelled mean step time per schedule, phase groups, delay, exchanges per group):"
+                "configuration search (modelled mean step time per schedule, phase groups, delay, exchanges per group, sync units):"
             );
             for c in candidates {
+                let units = if c.unit_params == 0 {
+                    "whole layers".to_string()
+                } else {
+                    format!("units <= {} KiB", (c.unit_params * 4).div_ceil(1024))
+                };
                 let _ = writeln!(
                     out,
-                    "  {:<8} {} groups  delay {}  {:<13} {:>9.3} ms{}",
+                    "  {:<8} {} groups  delay {}  {:<11}  {:<18} {:>9.3} ms{}",
                     c.schedule.name(),
                     c.groups,
                     c.delay,
@@ -723,6 +792,7 @@ impl SyncPlan {
                     } else {
                         "bucket caps"
                     },
+                    units,
                     c.step_s * 1e3,
                     if c.chosen { "  <- chosen" } else { "" }
                 );
@@ -757,6 +827,65 @@ fn checked_delay(config: &PlanConfig) -> Result<u64, PlanError> {
         Strategy::Plsgd => Ok(1),
         _ => Ok(0),
     }
+}
+
+/// One sync unit before scheduling: a whole layer or one of its chunks.
+struct Chunk {
+    /// Position of its layer in the plan's `units_forward`.
+    layer_position: usize,
+    /// Model layer index.
+    layer: usize,
+    name: String,
+    offset: usize,
+    params: usize,
+}
+
+/// The sync units of `layers_forward` under a cap of `max` values per unit (0: whole layers),
+/// in forward order ([`crate::sync_units`]).
+fn split_layers(layers_forward: &[LayerInfo], max: usize) -> Vec<Chunk> {
+    let mut out = Vec::with_capacity(layers_forward.len());
+    for (layer_position, info) in layers_forward.iter().enumerate() {
+        let lengths = crate::sync_units::chunk_lengths(info.params, 1, max);
+        let count = lengths.len();
+        let mut offset = 0;
+        for (i, params) in lengths.into_iter().enumerate() {
+            out.push(Chunk {
+                layer_position,
+                layer: info.index,
+                name: crate::sync_units::chunk_name(&info.name, i, count),
+                offset,
+                params,
+            });
+            offset += params;
+        }
+    }
+    out
+}
+
+/// The per-layer `profile` (backward order) as per-unit profiles of `chunks` (backward
+/// order): a layer's chunks all become ready when its backward ends, so the first of them in
+/// backward order carries the layer's backward time and the others none; communication is
+/// shared in proportion to size.
+fn unit_profiles(profile: &ModelProfile, chunks: &[Chunk]) -> Vec<LayerProfile> {
+    let mut out = Vec::with_capacity(chunks.len());
+    let mut previous_layer = None;
+    for (id, chunk) in chunks.iter().enumerate().rev() {
+        let layer = &profile.layers[profile.layers.len() - 1 - chunk.layer_position];
+        let share = chunk.params as f64 / layer.params.max(1) as f64;
+        out.push(LayerProfile {
+            name: chunk.name.clone(),
+            index: id,
+            params: chunk.params,
+            backward_s: if previous_layer == Some(chunk.layer_position) {
+                0.0
+            } else {
+                layer.backward_s
+            },
+            comm_s: layer.comm_s * share,
+        });
+        previous_layer = Some(chunk.layer_position);
+    }
+    out
 }
 
 /// Per-unit override (forward order), validated.
@@ -936,7 +1065,11 @@ mod tests {
         assert_eq!(plan.due_layers(1), vec![2, 0]);
         assert_eq!(plan.due_layers(2), vec![5, 4]);
         // Buckets follow the phases (all layers are tiny).
-        let layers: Vec<_> = plan.buckets().iter().map(|b| b.layers.clone()).collect();
+        let layers: Vec<Vec<usize>> = plan
+            .buckets()
+            .iter()
+            .map(|b| b.units.iter().map(|&id| plan.units()[id].index).collect())
+            .collect();
         assert_eq!(layers, vec![vec![5, 4], vec![2, 0]]);
         assert_eq!(plan.unit(0).unwrap().bucket, 1);
         let text = plan.describe();
@@ -992,6 +1125,71 @@ mod tests {
     }
 
     #[test]
+    fn a_capped_unit_size_splits_large_layers_into_scheduled_chunks() {
+        let mut cfg = config(Strategy::DreamDdp, 4);
+        cfg.sync_unit_params = Some(400);
+        let plan = SyncPlan::new("mlp", &mlp(), &cfg, None).unwrap();
+        let units: Vec<(&str, usize, usize, usize)> = plan
+            .units()
+            .iter()
+            .map(|u| (u.name.as_str(), u.index, u.offset, u.params))
+            .collect();
+        assert_eq!(
+            units,
+            vec![
+                ("fc1[0/3]", 0, 0, 334),
+                ("fc1[1/3]", 0, 334, 333),
+                ("fc1[2/3]", 0, 667, 333),
+                ("fc2[0/2]", 2, 0, 250),
+                ("fc2[1/2]", 2, 250, 250),
+                ("fc3", 4, 0, 200),
+                ("head", 5, 0, 50),
+            ]
+        );
+        for (id, u) in plan.units().iter().enumerate() {
+            assert_eq!(u.id, id);
+        }
+        assert_eq!(plan.units_of_layer(0).len(), 3);
+        assert!(plan.units_of_layer(1).is_empty(), "relu has no parameters");
+        // Every unit once per period; the chunks of fc1 at different steps, so the period's
+        // bytes are spread over its steps.
+        let phase_of = |id: usize| (0..4).find(|&s| plan.unit_is_due(s, id)).unwrap();
+        for id in 0..plan.units().len() {
+            assert_eq!((0..4).filter(|&s| plan.unit_is_due(s, id)).count(), 1);
+        }
+        assert_ne!(phase_of(0), phase_of(2));
+        // A bucket holds unit ids; a layer is due when one of its chunks is.
+        for b in plan.buckets() {
+            for &id in &b.units {
+                assert_eq!(plan.units()[id].bucket, b.id);
+            }
+        }
+        for step in 0..4 {
+            let due_layers: Vec<usize> = plan
+                .due_units(step)
+                .iter()
+                .map(|&id| plan.units()[id].index)
+                .collect();
+            for layer in [0, 2, 4, 5] {
+                assert_eq!(plan.is_due(step, layer), due_layers.contains(&layer));
+            }
+        }
+        // With 7 units, a period of 6 is possible (4 whole layers would refuse it).
+        cfg.period = 6;
+        assert!(SyncPlan::new("mlp", &mlp(), &cfg, None).is_ok());
+        cfg.sync_unit_params = Some(0);
+        assert!(matches!(
+            SyncPlan::new("mlp", &mlp(), &cfg, None),
+            Err(PlanError::PeriodExceedsUnits { units: 4, .. })
+        ));
+        // The profiled schedule reads the per-layer profile through the chunks.
+        let mut profiled = PlanConfig::new(Strategy::DreamDdp, 4);
+        profiled.sync_unit_params = Some(400);
+        let plan = SyncPlan::new("mlp", &mlp(), &profiled, Some(&profile(&mlp(), 0.3))).unwrap();
+        assert_eq!(plan.schedule().unwrap().phases_of_unit.len(), 7);
+    }
+
+    #[test]
     fn overrides_set_their_own_periods() {
         let mut cfg = config(Strategy::DreamDdp, 2);
         cfg.period_overrides = parse_period_overrides("fc1=8, head=1").unwrap();
@@ -1017,7 +1215,8 @@ mod tests {
         let err = SyncPlan::new("mlp", &units, &config(Strategy::DreamDdp, 8), None).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "period 8 needs at least 8 sync units; model mlp has 4 — lower --period or use localsgd"
+            "period 8 needs at least 8 sync units; model mlp has 4 — lower --period, split large \
+             layers into chunks (--sync-unit-kb), or use localsgd"
         );
         assert_eq!(
             SyncPlan::new("mlp", &units, &config(Strategy::LocalSgd, 0), None).unwrap_err(),

@@ -257,10 +257,74 @@ pub fn write_unit(replica: &mut dyn ModelReplica, index: usize, what: UnitData, 
     replica.with_unit(index, &mut |u| u.write_from(what, src));
 }
 
+/// Appends values `at..at + len` of `unit`'s gradients or values to `out` (a sync unit that
+/// is a chunk of its layer, [`crate::sync_units`]); `layer_len` is the layer's whole length, so
+/// a unit that is its whole layer is appended without a copy of the layer.
+pub fn append_unit_range(
+    unit: &dyn UnitMut,
+    what: UnitData,
+    at: usize,
+    len: usize,
+    layer_len: usize,
+    out: &mut Vec<f32>,
+) {
+    if at == 0 && len == layer_len {
+        unit.append_to(what, out);
+    } else {
+        let mut layer = Vec::with_capacity(layer_len);
+        unit.append_to(what, &mut layer);
+        out.extend_from_slice(&layer[at..at + len]);
+    }
+}
+
+/// Overwrites values `at..at + src.len()` of `unit`'s gradients or values, the rest of its
+/// layer (`layer_len` values) kept.
+pub fn write_unit_range(
+    unit: &mut dyn UnitMut,
+    what: UnitData,
+    at: usize,
+    layer_len: usize,
+    src: &[f32],
+) {
+    if at == 0 && src.len() == layer_len {
+        unit.write_from(what, src);
+    } else {
+        let mut layer = Vec::with_capacity(layer_len);
+        unit.append_to(what, &mut layer);
+        layer[at..at + src.len()].copy_from_slice(src);
+        unit.write_from(what, &layer);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::models::mlp::mlp;
+
+    #[test]
+    fn a_range_of_a_unit_reads_and_writes_only_its_values() {
+        let mut r = BuiltinReplica::new(mlp(3, &[], 2, 1), &OptimizerConfig::sgd());
+        let first = r.unit_infos()[0].index;
+        let whole = read_unit(&mut r, first, UnitData::Values);
+        let n = whole.len();
+        let mut part = Vec::new();
+        r.with_unit(first, &mut |u| {
+            append_unit_range(u, UnitData::Values, 2, 3, n, &mut part)
+        });
+        assert_eq!(part, whole[2..5]);
+        r.with_unit(first, &mut |u| {
+            write_unit_range(u, UnitData::Values, 2, n, &[9.0, 9.0, 9.0]);
+        });
+        let after = read_unit(&mut r, first, UnitData::Values);
+        assert_eq!(after[2..5], [9.0, 9.0, 9.0]);
+        assert_eq!(after[..2], whole[..2]);
+        assert_eq!(after[5..], whole[5..]);
+        let mut all = Vec::new();
+        r.with_unit(first, &mut |u| {
+            append_unit_range(u, UnitData::Values, 0, n, n, &mut all)
+        });
+        assert_eq!(all, after);
+    }
 
     #[test]
     fn a_builtin_replica_reads_writes_and_steps_its_units() {

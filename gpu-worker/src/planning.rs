@@ -30,6 +30,9 @@ pub struct PlanInputs<'a> {
     pub bubble_filling: bool,
     /// Steps an average may land after its launch ([`PlanConfig::delay`]; `None`: chosen).
     pub delay: Option<u64>,
+    /// `dreamddp`'s largest sync unit in KiB (0: whole layers; `None`: chosen by the
+    /// configuration search, whole layers without it). Other strategies keep whole layers.
+    pub sync_unit_kb: Option<u64>,
     /// Outer optimizer of diloco / streaming-diloco.
     pub outer: OuterConfig,
     /// The link the collective is shaped with.
@@ -74,6 +77,10 @@ pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanBuildError> {
     cfg.bubble_filling = inp.bubble_filling;
     cfg.delay = inp.delay;
     cfg.outer = inp.outer;
+    cfg.sync_unit_params = match inp.strategy {
+        Strategy::DreamDdp => inp.sync_unit_kb.map(|kb| (kb as usize) * 1024 / 4),
+        _ => Some(0),
+    };
     // The profiled schedule and the configuration search both need timings.
     let needs_profile = inp.strategy == Strategy::DreamDdp
         && (inp.schedule != ScheduleKind::Equal || inp.delay.is_none());

@@ -26,8 +26,12 @@
 //!
 //! Every `Launch` and `Apply` carries the plan's [`Landing`]: how the average is written
 //! ([`engine::outer`]); with [`Landing::Rebase`] the driver keeps a copy of what it sent.
-//! Layers of a collective are in backward order; a collective's buffer is the concatenation
-//! of its layers' parameters (or gradients) in that order, each layer's tensors in order.
+//! What is staged, launched and applied are the plan's sync units ([`UnitSlice`]): whole
+//! layers, or chunks of a layer the plan split. A layer's units are handled together at its
+//! hook (its waits and applies, then its one optimizer step, then its stages). Units of a
+//! collective are in backward order; a collective's buffer is the concatenation of its units'
+//! parameters (or gradients) in that order, each unit its slice of its layer's tensors in
+//! order.
 
 use std::collections::VecDeque;
 
@@ -56,14 +60,37 @@ impl SyncKind {
     }
 }
 
+/// One sync unit as the driver reads and writes it: a whole layer, or one chunk of a layer
+/// the plan split ([`engine::plan::PlanConfig::sync_unit_params`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnitSlice {
+    /// Unit id in the plan ([`engine::plan::UnitPlan::id`]).
+    pub id: usize,
+    /// Model layer index.
+    pub layer: usize,
+    /// Where the unit starts in its layer's flat values (its tensors in order).
+    pub at: usize,
+    /// f32 values of the unit.
+    pub len: usize,
+    /// f32 values of the whole layer (`len` unless a chunk).
+    pub layer_len: usize,
+}
+
+impl UnitSlice {
+    /// True when the unit is its whole layer.
+    pub fn is_whole_layer(&self) -> bool {
+        self.at == 0 && self.len == self.layer_len
+    }
+}
+
 /// One instruction to the driver. Execute them in the order [`WorkerSyncMachine::poll`]
 /// returns them.
 #[derive(Clone, Debug, PartialEq)]
 pub enum SyncAction {
-    /// Append layer `layer`'s gradients or parameters to the buffer of collective `key`.
+    /// Append unit `unit`'s gradients or parameters to the buffer of collective `key`.
     Stage {
-        /// Model layer index.
-        layer: usize,
+        /// The unit.
+        unit: UnitSlice,
         /// The collective the data goes to.
         key: ReduceKey,
         /// What to copy.
@@ -73,8 +100,8 @@ pub enum SyncAction {
     Launch {
         /// The collective.
         key: ReduceKey,
-        /// Its layers in buffer order (backward order).
-        layers: Vec<usize>,
+        /// Its units in buffer order (backward order).
+        units: Vec<UnitSlice>,
         /// What it carries.
         kind: SyncKind,
         /// How its result will land (keep the sent buffer for [`Landing::Rebase`]).
@@ -85,17 +112,15 @@ pub enum SyncAction {
         /// The collective.
         key: ReduceKey,
     },
-    /// Write `len` values of collective `key`'s result, from `offset`, into layer `layer`'s
-    /// gradients or parameters (its tensors in order).
+    /// Write `unit.len` values of collective `key`'s result, from `offset`, into unit `unit`'s
+    /// gradients or parameters.
     Apply {
         /// The collective (already waited).
         key: ReduceKey,
-        /// Model layer index.
-        layer: usize,
-        /// Offset of the layer in the result.
+        /// The unit.
+        unit: UnitSlice,
+        /// Offset of the unit in the result.
         offset: usize,
-        /// f32 values of the layer.
-        len: usize,
         /// Gradients or parameters.
         kind: SyncKind,
         /// How the values are written (always [`Landing::Replace`] for gradients).
@@ -106,11 +131,11 @@ pub enum SyncAction {
         /// Model layer index.
         layer: usize,
     },
-    /// Set layer `layer`'s outer-optimizer anchor to its current values (`diloco`,
-    /// `streaming-diloco`, once, before the layer's first optimizer step).
+    /// Set unit `unit`'s outer-optimizer anchor to its current values (`diloco`,
+    /// `streaming-diloco`, once, before its layer's first optimizer step).
     SetAnchor {
-        /// Model layer index.
-        layer: usize,
+        /// The unit.
+        unit: UnitSlice,
     },
 }
 
@@ -118,10 +143,10 @@ impl SyncAction {
     /// The model layer the action reads or writes, if any.
     pub fn layer(&self) -> Option<usize> {
         match self {
-            SyncAction::Stage { layer, .. }
-            | SyncAction::Apply { layer, .. }
-            | SyncAction::StepLayer { layer }
-            | SyncAction::SetAnchor { layer } => Some(*layer),
+            SyncAction::Stage { unit, .. }
+            | SyncAction::Apply { unit, .. }
+            | SyncAction::SetAnchor { unit } => Some(unit.layer),
+            SyncAction::StepLayer { layer } => Some(*layer),
             SyncAction::Launch { .. } | SyncAction::Wait { .. } => None,
         }
     }
@@ -131,7 +156,8 @@ impl SyncAction {
 #[derive(Clone, Debug)]
 struct Launched {
     key: ReduceKey,
-    layers: Vec<usize>,
+    /// Unit ids, backward order.
+    units: Vec<usize>,
     kind: SyncKind,
     landing: Landing,
     /// The step at which it lands (the launch step plus the plan's delay).
@@ -143,57 +169,62 @@ struct Launched {
 pub struct WorkerSyncMachine {
     plan: SyncPlan,
     strategy: Strategy,
-    /// Model layer → plan bucket (None for layers without parameters).
-    bucket_of: Vec<Option<usize>>,
-    /// Model layer → f32 parameters.
-    layer_len: Vec<usize>,
-    /// Sync units in backward order.
+    /// Per unit id: its slice of its layer.
+    slices: Vec<UnitSlice>,
+    /// Per unit id: its plan bucket.
+    bucket_of: Vec<usize>,
+    /// Unit ids in backward order.
+    all_units: Vec<usize>,
+    /// Model layers with parameters in backward order.
     all_layers: Vec<usize>,
     /// The step in progress (between `begin_step` and `backward_done`).
     step: Option<u64>,
-    /// Per bucket: due layers not yet staged this step.
+    /// Per bucket: due units not yet staged this step.
     due_left: Vec<usize>,
-    /// Per bucket: layers staged this step, backward order.
+    /// Per bucket: units staged this step, backward order.
     staged: Vec<Vec<usize>>,
     /// Collectives launched this step, waited after backward.
     awaiting: Vec<Launched>,
     /// dreamddp, plsgd, streaming-diloco: per bucket, the average launched at an earlier step.
     deferred: Vec<Option<Launched>>,
-    /// dreamddp, plsgd: per layer, the waited collective and offset still to be written.
+    /// dreamddp, plsgd: per unit, the waited collective and offset still to be written.
     landing: Vec<Option<(ReduceKey, usize)>>,
-    /// diloco, streaming-diloco: per layer, whether its outer anchor is set.
+    /// diloco, streaming-diloco: per unit, whether its outer anchor is set.
     anchored: Vec<bool>,
     actions: VecDeque<SyncAction>,
 }
 
 impl WorkerSyncMachine {
-    /// A machine executing `plan` (its strategy, buckets and per-layer schedule).
+    /// A machine executing `plan` (its strategy, buckets and per-unit schedule).
     pub fn new(plan: &SyncPlan) -> Self {
-        let layer_count = plan.units().iter().map(|u| u.index + 1).max().unwrap_or(0);
-        let mut bucket_of = vec![None; layer_count];
-        let mut layer_len = vec![0; layer_count];
-        for u in plan.units() {
-            layer_len[u.index] = u.params;
-        }
-        for (b, bucket) in plan.buckets().iter().enumerate() {
-            for &l in &bucket.layers {
-                bucket_of[l] = Some(b);
-            }
-        }
+        let units = plan.units();
+        let slices: Vec<UnitSlice> = units
+            .iter()
+            .map(|u| UnitSlice {
+                id: u.id,
+                layer: u.index,
+                at: u.offset,
+                len: u.params,
+                layer_len: plan.units_of_layer(u.index).iter().map(|c| c.params).sum(),
+            })
+            .collect();
+        let mut all_layers: Vec<usize> = units.iter().rev().map(|u| u.index).collect();
+        all_layers.dedup();
         let buckets = plan.buckets().len();
         Self {
             plan: plan.clone(),
             strategy: plan.strategy(),
-            bucket_of,
-            layer_len,
-            all_layers: plan.units().iter().rev().map(|u| u.index).collect(),
+            slices,
+            bucket_of: units.iter().map(|u| u.bucket).collect(),
+            all_units: units.iter().rev().map(|u| u.id).collect(),
+            all_layers,
             step: None,
             due_left: vec![0; buckets],
             staged: vec![Vec::new(); buckets],
             awaiting: Vec::new(),
             deferred: vec![None; buckets],
-            landing: vec![None; layer_count],
-            anchored: vec![false; layer_count],
+            landing: vec![None; units.len()],
+            anchored: vec![false; units.len()],
             actions: VecDeque::new(),
         }
     }
@@ -201,6 +232,11 @@ impl WorkerSyncMachine {
     /// The plan this machine executes.
     pub fn plan(&self) -> &SyncPlan {
         &self.plan
+    }
+
+    /// The slice of unit `id` (its layer and where it lies in it).
+    pub fn unit_slice(&self, id: usize) -> UnitSlice {
+        self.slices[id]
     }
 
     /// The next action to execute, if any.
@@ -216,11 +252,11 @@ impl WorkerSyncMachine {
         for (b, bucket) in self.plan.buckets().iter().enumerate() {
             self.staged[b].clear();
             self.due_left[b] = match self.strategy {
-                Strategy::Wfbp => bucket.layers.len(),
+                Strategy::Wfbp => bucket.units.len(),
                 Strategy::DreamDdp | Strategy::Plsgd => bucket
-                    .layers
+                    .units
                     .iter()
-                    .filter(|&&l| self.plan.is_due(step, l))
+                    .filter(|&&u| self.plan.unit_is_due(step, u))
                     .count(),
                 Strategy::Ssgd
                 | Strategy::LocalSgd
@@ -234,80 +270,113 @@ impl WorkerSyncMachine {
     /// parameters are ignored.
     pub fn layer_grads_ready(&mut self, layer: usize) {
         let step = self.step.expect("layer_grads_ready inside a step");
-        let Some(b) = self.bucket_of.get(layer).copied().flatten() else {
+        let units: Vec<usize> = self
+            .plan
+            .units_of_layer(layer)
+            .iter()
+            .rev()
+            .map(|u| u.id)
+            .collect();
+        if units.is_empty() {
             return;
-        };
+        }
         let in_backward = matches!(self.strategy, Strategy::DreamDdp | Strategy::Plsgd);
         if in_backward {
-            let lands_now = self.deferred[b]
-                .as_ref()
-                .is_some_and(|f| f.lands_at <= step || self.plan.is_due(step, layer));
-            if lands_now {
-                let f = self.deferred[b].take().expect("checked above");
-                self.actions.push_back(SyncAction::Wait { key: f.key });
-                let mut offset = 0;
-                for &l in &f.layers {
-                    self.landing[l] = Some((f.key, offset));
-                    offset += self.layer_len[l];
+            for &u in &units {
+                let b = self.bucket_of[u];
+                let lands_now = self.deferred[b]
+                    .as_ref()
+                    .is_some_and(|f| f.lands_at <= step || self.plan.unit_is_due(step, u));
+                if lands_now {
+                    let f = self.deferred[b].take().expect("checked above");
+                    self.actions.push_back(SyncAction::Wait { key: f.key });
+                    let mut offset = 0;
+                    for &v in &f.units {
+                        self.landing[v] = Some((f.key, offset));
+                        offset += self.slices[v].len;
+                    }
+                }
+                if let Some((key, offset)) = self.landing[u].take() {
+                    self.actions.push_back(SyncAction::Apply {
+                        key,
+                        unit: self.slices[u],
+                        offset,
+                        kind: SyncKind::Parameters,
+                        landing: self.plan.landing(),
+                    });
                 }
             }
-            if let Some((key, offset)) = self.landing[layer].take() {
-                self.actions.push_back(SyncAction::Apply {
-                    key,
-                    layer,
-                    offset,
-                    len: self.layer_len[layer],
-                    kind: SyncKind::Parameters,
-                    landing: self.plan.landing(),
-                });
+        }
+        if self.strategy.uses_outer_optimizer() {
+            for &u in &units {
+                if !self.anchored[u] {
+                    self.anchored[u] = true;
+                    self.actions.push_back(SyncAction::SetAnchor {
+                        unit: self.slices[u],
+                    });
+                }
             }
         }
-        if self.strategy.uses_outer_optimizer() && !self.anchored[layer] {
-            self.anchored[layer] = true;
-            self.actions.push_back(SyncAction::SetAnchor { layer });
-        }
-        let due = match self.strategy {
-            Strategy::Ssgd => false,
-            Strategy::Wfbp => true,
+        match self.strategy {
+            Strategy::Ssgd => return,
+            Strategy::Wfbp => {}
             Strategy::LocalSgd | Strategy::Diloco | Strategy::StreamingDiloco => {
                 self.actions.push_back(SyncAction::StepLayer { layer });
-                false
+                return;
             }
             Strategy::DreamDdp | Strategy::Plsgd => {
                 self.actions.push_back(SyncAction::StepLayer { layer });
-                self.plan.is_due(step, layer)
             }
-        };
-        if !due {
-            return;
         }
         let (kind, landing) = if self.strategy == Strategy::Wfbp {
             (SyncKind::Gradients, Landing::Replace)
         } else {
             (SyncKind::Parameters, self.plan.landing())
         };
+        for u in units {
+            let due = self.strategy == Strategy::Wfbp || self.plan.unit_is_due(step, u);
+            if due {
+                self.stage_in_backward(step, u, kind, landing, in_backward);
+            }
+        }
+    }
+
+    /// Stages unit `u` into its bucket's collective of `step` and launches the bucket once
+    /// its due units are all staged.
+    fn stage_in_backward(
+        &mut self,
+        step: u64,
+        u: usize,
+        kind: SyncKind,
+        landing: Landing,
+        deferred: bool,
+    ) {
+        let b = self.bucket_of[u];
         let key = ReduceKey::new(step, b as u32);
-        self.actions
-            .push_back(SyncAction::Stage { layer, key, kind });
-        self.staged[b].push(layer);
-        assert!(self.due_left[b] > 0, "layer {layer} staged twice in a step");
+        self.actions.push_back(SyncAction::Stage {
+            unit: self.slices[u],
+            key,
+            kind,
+        });
+        self.staged[b].push(u);
+        assert!(self.due_left[b] > 0, "unit {u} staged twice in a step");
         self.due_left[b] -= 1;
         if self.due_left[b] == 0 {
-            let layers = std::mem::take(&mut self.staged[b]);
+            let units = std::mem::take(&mut self.staged[b]);
             self.actions.push_back(SyncAction::Launch {
                 key,
-                layers: layers.clone(),
+                units: units.iter().map(|&v| self.slices[v]).collect(),
                 kind,
                 landing,
             });
             let launched = Launched {
                 key,
-                layers,
+                units,
                 kind,
                 landing,
                 lands_at: step + self.plan.delay(),
             };
-            if in_backward {
+            if deferred {
                 self.deferred[b] = Some(launched);
             } else {
                 self.awaiting.push(launched);
@@ -321,11 +390,11 @@ impl WorkerSyncMachine {
         let step = self.step.take().expect("backward_done inside a step");
         match self.strategy {
             Strategy::Ssgd => {
-                let layers = self.all_layers.clone();
-                self.launch_blocking(step, 0, layers, SyncKind::Gradients, Landing::Replace);
+                let units = self.all_units.clone();
+                self.launch_blocking(step, 0, units, SyncKind::Gradients, Landing::Replace);
             }
             Strategy::LocalSgd | Strategy::Diloco => {
-                let due = self.plan.due_layers(step);
+                let due = self.plan.due_units(step);
                 if !due.is_empty() {
                     let landing = self.plan.landing();
                     self.launch_blocking(step, 0, due, SyncKind::Parameters, landing);
@@ -345,30 +414,33 @@ impl WorkerSyncMachine {
         }
     }
 
-    /// Stages `layers` (backward order) into collective `(step, bucket)`, launches it and
+    /// Stages `units` (backward order) into collective `(step, bucket)`, launches it and
     /// queues it to be waited at the end of this step.
     fn launch_blocking(
         &mut self,
         step: u64,
         bucket: u32,
-        layers: Vec<usize>,
+        units: Vec<usize>,
         kind: SyncKind,
         landing: Landing,
     ) {
         let key = ReduceKey::new(step, bucket);
-        for &layer in &layers {
-            self.actions
-                .push_back(SyncAction::Stage { layer, key, kind });
+        for &u in &units {
+            self.actions.push_back(SyncAction::Stage {
+                unit: self.slices[u],
+                key,
+                kind,
+            });
         }
         self.actions.push_back(SyncAction::Launch {
             key,
-            layers: layers.clone(),
+            units: units.iter().map(|&u| self.slices[u]).collect(),
             kind,
             landing,
         });
         self.awaiting.push(Launched {
             key,
-            layers,
+            units,
             kind,
             landing,
             lands_at: step,
@@ -381,9 +453,9 @@ impl WorkerSyncMachine {
         let landing = self.plan.landing();
         for b in 0..self.deferred.len() {
             let due = self.plan.buckets()[b]
-                .layers
+                .units
                 .iter()
-                .any(|&l| self.plan.is_due(step, l));
+                .any(|&u| self.plan.unit_is_due(step, u));
             if self.deferred[b]
                 .as_ref()
                 .is_some_and(|f| f.lands_at <= step || due)
@@ -393,32 +465,32 @@ impl WorkerSyncMachine {
             }
         }
         for b in 0..self.deferred.len() {
-            let layers: Vec<usize> = self.plan.buckets()[b]
-                .layers
+            let units: Vec<usize> = self.plan.buckets()[b]
+                .units
                 .iter()
                 .copied()
-                .filter(|&l| self.plan.is_due(step, l))
+                .filter(|&u| self.plan.unit_is_due(step, u))
                 .collect();
-            if layers.is_empty() {
+            if units.is_empty() {
                 continue;
             }
             let key = ReduceKey::new(step, b as u32);
-            for &layer in &layers {
+            for &u in &units {
                 self.actions.push_back(SyncAction::Stage {
-                    layer,
+                    unit: self.slices[u],
                     key,
                     kind: SyncKind::Parameters,
                 });
             }
             self.actions.push_back(SyncAction::Launch {
                 key,
-                layers: layers.clone(),
+                units: units.iter().map(|&u| self.slices[u]).collect(),
                 kind: SyncKind::Parameters,
                 landing,
             });
             let launched = Launched {
                 key,
-                layers,
+                units,
                 kind: SyncKind::Parameters,
                 landing,
                 lands_at: step + self.plan.delay(),
@@ -454,17 +526,16 @@ impl WorkerSyncMachine {
     fn wait_and_apply(&mut self, f: Launched) {
         self.actions.push_back(SyncAction::Wait { key: f.key });
         let mut offset = 0;
-        for &layer in &f.layers {
-            let len = self.layer_len[layer];
+        for &u in &f.units {
+            let unit = self.slices[u];
             self.actions.push_back(SyncAction::Apply {
                 key: f.key,
-                layer,
+                unit,
                 offset,
-                len,
                 kind: f.kind,
                 landing: f.landing,
             });
-            offset += len;
+            offset += unit.len;
         }
     }
 }

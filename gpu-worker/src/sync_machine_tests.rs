@@ -30,6 +30,29 @@ fn plan(strategy: Strategy, period: u64, params: &[usize], one_per_bucket: bool)
     plan_with_delay(strategy, period, params, one_per_bucket, 1)
 }
 
+/// The whole-layer unit of model layer `layer` in the plans of `&[2, 3, 4, 5]` (layer 2 has
+/// no parameters, so unit ids 0, 1, 2, 3 are layers 0, 1, 3, 4).
+fn unit(layer: usize) -> UnitSlice {
+    let (id, len) = match layer {
+        0 => (0, 2),
+        1 => (1, 3),
+        3 => (2, 4),
+        4 => (3, 5),
+        _ => panic!("layer {layer} is not a unit"),
+    };
+    UnitSlice {
+        id,
+        layer,
+        at: 0,
+        len,
+        layer_len: len,
+    }
+}
+
+fn units(layers: &[usize]) -> Vec<UnitSlice> {
+    layers.iter().map(|&l| unit(l)).collect()
+}
+
 fn plan_with_delay(
     strategy: Strategy,
     period: u64,
@@ -37,7 +60,19 @@ fn plan_with_delay(
     one_per_bucket: bool,
     delay: u64,
 ) -> SyncPlan {
+    plan_chunked(strategy, period, params, one_per_bucket, delay, None)
+}
+
+fn plan_chunked(
+    strategy: Strategy,
+    period: u64,
+    params: &[usize],
+    one_per_bucket: bool,
+    delay: u64,
+    sync_unit_params: Option<usize>,
+) -> SyncPlan {
     let mut config = PlanConfig::new(strategy, period);
+    config.sync_unit_params = sync_unit_params;
     config.delay = Some(delay);
     config.schedule = ScheduleKind::Equal;
     if one_per_bucket {
@@ -82,14 +117,14 @@ fn ssgd_reduces_every_gradient_after_backward_then_steps() {
     let mut want: Vec<SyncAction> = all
         .iter()
         .map(|&layer| Stage {
-            layer,
+            unit: unit(layer),
             key: k,
             kind: Gradients,
         })
         .collect();
     want.push(Launch {
         key: k,
-        layers: all.clone(),
+        units: units(&all),
         kind: Gradients,
         landing: Landing::Replace,
     });
@@ -98,9 +133,8 @@ fn ssgd_reduces_every_gradient_after_backward_then_steps() {
     for (&layer, len) in all.iter().zip([5, 4, 3, 2]) {
         want.push(Apply {
             key: k,
-            layer,
+            unit: unit(layer),
             offset,
-            len,
             kind: Gradients,
             landing: Landing::Replace,
         });
@@ -119,13 +153,13 @@ fn wfbp_launches_each_bucket_in_backward_and_waits_before_stepping() {
         acts[1],
         vec![
             Stage {
-                layer: 4,
+                unit: unit(4),
                 key: key(0, 0),
                 kind: Gradients
             },
             Launch {
                 key: key(0, 0),
-                layers: vec![4],
+                units: units(&[4]),
                 kind: Gradients,
                 landing: Landing::Replace,
             }
@@ -159,7 +193,7 @@ fn localsgd_steps_in_backward_and_averages_every_period() {
         second[6][4],
         Launch {
             key: key(1, 0),
-            layers: vec![4, 3, 1, 0],
+            units: units(&[4, 3, 1, 0]),
             kind: Parameters,
             landing: Landing::Replace,
         }
@@ -180,13 +214,13 @@ fn dreamddp_waits_at_the_layers_next_step_and_writes_before_stepping() {
         vec![
             StepLayer { layer: 3 },
             Stage {
-                layer: 3,
+                unit: unit(3),
                 key: key(0, 0),
                 kind: Parameters
             },
             Launch {
                 key: key(0, 0),
-                layers: vec![4, 3],
+                units: units(&[4, 3]),
                 kind: Parameters,
                 landing: Landing::Replace,
             }
@@ -202,9 +236,8 @@ fn dreamddp_waits_at_the_layers_next_step_and_writes_before_stepping() {
             Wait { key: key(0, 0) },
             Apply {
                 key: key(0, 0),
-                layer: 4,
+                unit: unit(4),
                 offset: 0,
-                len: 5,
                 kind: Parameters,
                 landing: Landing::Replace,
             },
@@ -215,9 +248,8 @@ fn dreamddp_waits_at_the_layers_next_step_and_writes_before_stepping() {
         s1[2][0],
         Apply {
             key: key(0, 0),
-            layer: 3,
+            unit: unit(3),
             offset: 5,
-            len: 4,
             kind: Parameters,
             landing: Landing::Replace,
         }
@@ -241,42 +273,59 @@ struct Checker {
 }
 
 impl Checker {
-    fn run(&mut self, m: &mut WorkerSyncMachine, hook_layer: Option<usize>, len: &[usize]) {
+    /// Runs the pending actions; `plan` gives each unit's layer and slice.
+    fn run(&mut self, m: &mut WorkerSyncMachine, hook_layer: Option<usize>, plan: &SyncPlan) {
+        let check = |u: &UnitSlice| {
+            let p = &plan.units()[u.id];
+            let layer_len: usize = plan.units_of_layer(p.index).iter().map(|c| c.params).sum();
+            assert_eq!(
+                (u.layer, u.at, u.len, u.layer_len),
+                (p.index, p.offset, p.params, layer_len)
+            );
+        };
         while let Some(a) = m.poll() {
             if let (Some(h), Some(l)) = (hook_layer, a.layer()) {
                 assert_eq!(h, l, "a hook action touches another layer: {a:?}");
             }
             match a {
-                Stage { layer, key, .. } => self.staged.entry(key).or_default().push(layer),
+                Stage { unit, key, .. } => {
+                    check(&unit);
+                    self.staged.entry(key).or_default().push(unit.id)
+                }
                 Launch {
-                    key, layers, kind, ..
+                    key, units, kind, ..
                 } => {
-                    assert_eq!(self.staged.remove(&key), Some(layers.clone()));
-                    assert!(self.launched.insert(key, (layers, kind)).is_none());
+                    let ids: Vec<usize> = units.iter().map(|u| u.id).collect();
+                    assert_eq!(self.staged.remove(&key), Some(ids.clone()));
+                    assert!(self.launched.insert(key, (ids, kind)).is_none());
                 }
                 Wait { key } => {
-                    let (layers, _) = &self.launched[&key];
-                    let fresh = self.waited.insert(key, layers.iter().copied().collect());
+                    let (ids, _) = &self.launched[&key];
+                    let fresh = self.waited.insert(key, ids.iter().copied().collect());
                     assert!(fresh.is_none(), "{key} waited twice");
                 }
                 Apply {
-                    key,
-                    layer,
-                    offset,
-                    len: n,
-                    ..
+                    key, unit, offset, ..
                 } => {
-                    let (layers, _) = &self.launched[&key];
-                    let pos = layers.iter().position(|&l| l == layer).expect("in key");
-                    let want: usize = layers[..pos].iter().map(|&l| len[l]).sum();
-                    assert_eq!((offset, n), (want, len[layer]));
-                    assert!(self.waited.get_mut(&key).expect("waited").remove(&layer));
-                    *self.applied.entry(layer).or_default() += 1;
+                    check(&unit);
+                    let (ids, _) = &self.launched[&key];
+                    let pos = ids.iter().position(|&u| u == unit.id).expect("in key");
+                    let want: usize = ids[..pos].iter().map(|&u| plan.units()[u].params).sum();
+                    assert_eq!(offset, want);
+                    assert!(self.waited.get_mut(&key).expect("waited").remove(&unit.id));
+                    *self.applied.entry(unit.id).or_default() += 1;
                 }
                 StepLayer { layer } => self.stepped.push(layer),
-                SyncAction::SetAnchor { layer } => {
-                    assert!(self.anchored.insert(layer), "layer {layer} anchored twice");
-                    assert!(!self.stepped.contains(&layer), "anchored after its step");
+                SyncAction::SetAnchor { unit } => {
+                    check(&unit);
+                    assert!(
+                        self.anchored.insert(unit.id),
+                        "unit {unit:?} anchored twice"
+                    );
+                    assert!(
+                        !self.stepped.contains(&unit.layer),
+                        "anchored after its step"
+                    );
                 }
             }
         }
@@ -292,6 +341,7 @@ proptest! {
         steps in 1u64..12,
         one_per_bucket in any::<bool>(),
         delay_pick in 0u64..4,
+        chunk in prop::option::of(3usize..30),
     ) {
         // A delay the strategy accepts: dreamddp 1..=max(1, H - 1), streaming-diloco 0..H.
         let delay = match strategy {
@@ -299,23 +349,19 @@ proptest! {
             Strategy::StreamingDiloco => delay_pick % period,
             _ => 1,
         };
-        let p = plan_with_delay(strategy, period, &params, one_per_bucket, delay);
-        let mut len = vec![0; 5];
-        for u in p.units() {
-            len[u.index] = u.params;
-        }
+        let p = plan_chunked(strategy, period, &params, one_per_bucket, delay, chunk);
         let mut m = WorkerSyncMachine::new(&p);
         let mut c = Checker::default();
         for s in 0..steps {
             m.begin_step(s);
-            c.run(&mut m, None, &len);
+            c.run(&mut m, None, &p);
             c.stepped.clear();
             for layer in [4, 3, 2, 1, 0] {
                 m.layer_grads_ready(layer);
-                c.run(&mut m, Some(layer), &len);
+                c.run(&mut m, Some(layer), &p);
             }
             m.backward_done();
-            c.run(&mut m, None, &len);
+            c.run(&mut m, None, &p);
             prop_assert_eq!(&c.stepped, &vec![4, 3, 1, 0], "step {}", s);
             if !matches!(
                 strategy,
@@ -325,7 +371,7 @@ proptest! {
             }
         }
         m.finish();
-        c.run(&mut m, None, &len);
+        c.run(&mut m, None, &p);
         prop_assert!(c.staged.is_empty());
         prop_assert!(c.waited.values().all(BTreeSet::is_empty), "every slice applied");
         prop_assert_eq!(c.waited.len(), c.launched.len(), "every launch waited");
@@ -334,17 +380,66 @@ proptest! {
                 Strategy::Ssgd | Strategy::Wfbp => steps,
                 Strategy::LocalSgd | Strategy::Diloco => steps / period,
                 Strategy::DreamDdp | Strategy::Plsgd | Strategy::StreamingDiloco => {
-                    (0..steps).filter(|&s| p.is_due(s, u.index)).count() as u64
+                    (0..steps).filter(|&s| p.unit_is_due(s, u.id)).count() as u64
                 }
             };
-            prop_assert_eq!(c.applied.get(&u.index).copied().unwrap_or(0), expected);
+            prop_assert_eq!(c.applied.get(&u.id).copied().unwrap_or(0), expected);
             prop_assert_eq!(
-                c.anchored.contains(&u.index),
+                c.anchored.contains(&u.id),
                 strategy.uses_outer_optimizer(),
                 "anchors exactly for the outer strategies"
             );
         }
     }
+}
+
+#[test]
+fn a_chunked_layer_lands_each_chunk_in_its_slice_before_the_layers_one_step() {
+    // Layer 4 (10 values) in chunks of at most 4: [4, 3, 3]; H = 2 with the equal split over
+    // 6 units in backward order: 4[2/3], 4[1/3], 4[0/3] | 3, 1, 0.
+    let p = plan_chunked(Strategy::DreamDdp, 2, &[2, 3, 4, 10], false, 1, Some(4));
+    let chunks: Vec<(usize, usize, usize)> = p
+        .units_of_layer(4)
+        .iter()
+        .map(|u| (u.id, u.offset, u.params))
+        .collect();
+    assert_eq!(chunks, vec![(3, 0, 4), (4, 4, 3), (5, 7, 3)]);
+    let mut m = WorkerSyncMachine::new(&p);
+    let s0 = step(&mut m, 0);
+    // At layer 4's hook: one optimizer step, then its due chunks staged (backward order).
+    let staged: Vec<usize> = s0[1]
+        .iter()
+        .filter_map(|a| match a {
+            Stage { unit, .. } => Some(unit.id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(s0[1][0], StepLayer { layer: 4 });
+    assert!(!staged.is_empty());
+    assert!(staged.windows(2).all(|w| w[0] > w[1]), "{staged:?}");
+    let s1 = step(&mut m, 1);
+    // Step 1: the chunks launched at step 0 land at layer 4's hook, each in its own slice,
+    // all before the layer's single step.
+    let hook = &s1[1];
+    let step_at = hook
+        .iter()
+        .position(|a| *a == StepLayer { layer: 4 })
+        .unwrap();
+    let applied: Vec<(usize, usize)> = hook[..step_at]
+        .iter()
+        .filter_map(|a| match a {
+            Apply { unit, .. } => Some((unit.at, unit.len)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(applied.len(), staged.len());
+    assert!(applied.iter().all(|&(at, len)| at + len <= 10));
+    assert_eq!(
+        hook.iter()
+            .filter(|a| matches!(a, StepLayer { .. }))
+            .count(),
+        1
+    );
 }
 
 /// The actions of `actions` that are not optimizer steps or stages, for compact asserts.
@@ -363,7 +458,10 @@ fn diloco_anchors_first_then_lands_every_period_through_the_outer_step() {
     let s0 = step(&mut m, 0);
     assert_eq!(
         s0[1],
-        vec![SyncAction::SetAnchor { layer: 4 }, StepLayer { layer: 4 }]
+        vec![
+            SyncAction::SetAnchor { unit: unit(4) },
+            StepLayer { layer: 4 }
+        ]
     );
     assert!(s0[6].is_empty(), "nothing synced before the period ends");
     let s1 = step(&mut m, 1);
@@ -377,7 +475,7 @@ fn diloco_anchors_first_then_lands_every_period_through_the_outer_step() {
         after[0],
         Launch {
             key: key(1, 0),
-            layers: vec![4, 3, 1, 0],
+            units: units(&[4, 3, 1, 0]),
             kind: Parameters,
             landing: outer,
         }
@@ -401,7 +499,7 @@ fn streaming_diloco_launches_a_fragment_after_its_step_and_lands_it_tau_steps_la
         syncs(&s0[6]),
         vec![Launch {
             key: key(0, 0),
-            layers: vec![4, 3],
+            units: units(&[4, 3]),
             kind: Parameters,
             landing: mix,
         }]
@@ -409,10 +507,18 @@ fn streaming_diloco_launches_a_fragment_after_its_step_and_lands_it_tau_steps_la
     let s1 = step(&mut m, 1);
     let after = syncs(&s1[6]);
     assert_eq!(after[0], Wait { key: key(0, 0) });
-    assert!(matches!(after[1], Apply { layer: 4, landing, .. } if landing == mix));
-    assert!(matches!(after[2], Apply { layer: 3, .. }));
     assert!(
-        matches!(&after[3], Launch { key: k, layers, .. } if *k == key(1, 1) && layers == &vec![1, 0])
+        matches!(after[1], Apply { unit: UnitSlice { layer: 4, .. }, landing, .. } if landing == mix)
+    );
+    assert!(matches!(
+        after[2],
+        Apply {
+            unit: UnitSlice { layer: 3, .. },
+            ..
+        }
+    ));
+    assert!(
+        matches!(&after[3], Launch { key: k, units: u, .. } if *k == key(1, 1) && u == &units(&[1, 0]))
     );
     assert_eq!(m.in_flight(), vec![key(1, 1)]);
 
@@ -452,9 +558,8 @@ fn dreamddp_with_a_delay_lands_later_and_rebases() {
             Wait { key: key(0, 0) },
             Apply {
                 key: key(0, 0),
-                layer: 4,
+                unit: unit(4),
                 offset: 0,
-                len: 5,
                 kind: Parameters,
                 landing: Landing::Rebase,
             }

@@ -36,14 +36,16 @@ use engine::lr::LrSchedule;
 use engine::optim::OptimizerConfig;
 use engine::outer::{self, Landing, OuterState};
 use engine::plan::{Strategy, SyncPlan};
-use engine::replica::{ModelReplica, ReplicaError, UnitMut};
+use engine::replica::{
+    append_unit_range, write_unit_range, ModelReplica, ReplicaError, UnitData, UnitMut,
+};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use thiserror::Error;
 
 use crate::gpu_probe::CollectiveChoice;
-use crate::sync_machine::{SyncAction, WorkerSyncMachine};
+use crate::sync_machine::{SyncAction, UnitSlice, WorkerSyncMachine};
 use node::backend::{Backend, BackendError};
 use node::collective::{AbortOnPanic, Collective, CollectiveError, ReduceHandle, ReduceKey};
 use node::link::LinkModel;
@@ -340,9 +342,9 @@ pub fn train(
     })
 }
 
-/// A launched all-reduce: which layers it carries, in backward order, and its handle.
+/// A launched all-reduce: which units it carries, in backward order, and its handle.
 struct InFlight {
-    layers: Vec<usize>,
+    units: Vec<UnitSlice>,
     handle: ReduceHandle,
     launched: Instant,
 }
@@ -358,7 +360,8 @@ struct Landed {
 struct SyncExecutor<'a> {
     rank: usize,
     collective: &'a dyn Collective,
-    layer_names: &'a [String],
+    /// Unit names by unit id (logs, per-unit sync counts).
+    unit_names: &'a [String],
     staging: BTreeMap<ReduceKey, Vec<f32>>,
     in_flight: BTreeMap<ReduceKey, InFlight>,
     landed: BTreeMap<ReduceKey, Landed>,
@@ -380,14 +383,18 @@ impl SyncExecutor<'_> {
         lr: f32,
     ) -> Result<(), CollectiveError> {
         match action {
-            SyncAction::Stage { key, kind, .. } => {
+            SyncAction::Stage {
+                unit: slice,
+                key,
+                kind,
+            } => {
                 let unit = unit.expect("a staged layer");
                 let buf = self.staging.entry(key).or_default();
-                unit.append_to(kind.unit_data(), buf);
+                read_slice(unit, kind.unit_data(), &slice, buf);
             }
             SyncAction::Launch {
                 key,
-                layers,
+                units,
                 landing,
                 ..
             } => {
@@ -400,7 +407,7 @@ impl SyncExecutor<'_> {
                 self.in_flight.insert(
                     key,
                     InFlight {
-                        layers,
+                        units,
                         handle,
                         launched,
                     },
@@ -413,23 +420,22 @@ impl SyncExecutor<'_> {
                     .expect("the machine waits only for launched collectives");
                 let values = f.handle.wait()?;
                 if self.rank == 0 {
-                    log_sync(&f.layers, key.bucket, f.launched, values.len() * 4, |l| {
-                        self.layer_names[l].clone()
+                    log_sync(&f.units, key.bucket, f.launched, values.len() * 4, |u| {
+                        self.unit_names[u].clone()
                     });
                 }
                 self.landed.insert(
                     key,
                     Landed {
                         values,
-                        slices_left: f.layers.len(),
+                        slices_left: f.units.len(),
                     },
                 );
             }
             SyncAction::Apply {
                 key,
-                layer: index,
+                unit: slice,
                 offset,
-                len,
                 kind,
                 landing,
             } => {
@@ -438,22 +444,24 @@ impl SyncExecutor<'_> {
                     .landed
                     .get_mut(&key)
                     .expect("the machine applies only waited collectives");
+                let len = slice.len;
                 let average = &landed.values[offset..offset + len];
+                let what = kind.unit_data();
                 match landing {
-                    Landing::Replace => unit.write_from(kind.unit_data(), average),
+                    Landing::Replace => write_slice(unit, what, &slice, average),
                     Landing::Rebase => {
                         let cut = &self.cuts.get(&key).expect("a rebase keeps its cut")
                             [offset..offset + len];
                         self.scratch.clear();
-                        unit.append_to(kind.unit_data(), &mut self.scratch);
+                        read_slice(unit, what, &slice, &mut self.scratch);
                         outer::rebase(average, cut, &mut self.scratch);
-                        unit.write_from(kind.unit_data(), &self.scratch);
+                        write_slice(unit, what, &slice, &self.scratch);
                     }
                     Landing::Outer { mix } => {
                         self.scratch.clear();
-                        unit.append_to(kind.unit_data(), &mut self.scratch);
-                        self.outer.land(index, average, &mut self.scratch, mix);
-                        unit.write_from(kind.unit_data(), &self.scratch);
+                        read_slice(unit, what, &slice, &mut self.scratch);
+                        self.outer.land(slice.id, average, &mut self.scratch, mix);
+                        write_slice(unit, what, &slice, &self.scratch);
                     }
                 }
                 landed.slices_left -= 1;
@@ -464,18 +472,22 @@ impl SyncExecutor<'_> {
                 if self.rank == 0 {
                     *self
                         .syncs
-                        .entry(self.layer_names[index].clone())
+                        .entry(self.unit_names[slice.id].clone())
                         .or_default() += 1;
                 }
             }
             SyncAction::StepLayer { .. } => {
                 unit.expect("a stepped layer").step(lr);
             }
-            SyncAction::SetAnchor { layer } => {
+            SyncAction::SetAnchor { unit: slice } => {
                 self.scratch.clear();
-                unit.expect("an anchored layer")
-                    .append_to(engine::replica::UnitData::Values, &mut self.scratch);
-                self.outer.set_anchor(layer, &self.scratch);
+                read_slice(
+                    unit.expect("an anchored layer"),
+                    engine::replica::UnitData::Values,
+                    &slice,
+                    &mut self.scratch,
+                );
+                self.outer.set_anchor(slice.id, &self.scratch);
             }
         }
         Ok(())
@@ -514,7 +526,6 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
     if let Some(values) = &cfg.initial_values {
         replica.set_flat_values(values);
     }
-    let infos = replica.unit_infos();
     // A model whose output does not fit the labels fails here, on every worker, before any
     // barrier, rather than in an evaluation between two barriers.
     task.evaluate_replica(replica.as_mut(), Some(2))
@@ -532,22 +543,19 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
         cfg.seed ^ (0x9E37_79B9_7F4A_7C15u64.wrapping_mul(rank as u64 + 1)),
     );
     let mut batch = Batch::default();
-    let layer_names = replica.layer_names();
+    let unit_names: Vec<String> = sh.plan.units().iter().map(|u| u.name.clone()).collect();
     let mut machine = WorkerSyncMachine::new(&sh.plan);
     let mut exec = SyncExecutor {
         rank,
         collective: sh.collective.as_ref(),
-        layer_names: &layer_names,
+        unit_names: &unit_names,
         staging: BTreeMap::new(),
         in_flight: BTreeMap::new(),
         landed: BTreeMap::new(),
         cuts: BTreeMap::new(),
-        outer: OuterState::new(
-            sh.plan.outer(),
-            infos.iter().map(|i| i.index + 1).max().unwrap_or(0),
-        ),
+        outer: OuterState::new(sh.plan.outer(), unit_names.len()),
         scratch: Vec::new(),
-        syncs: infos.iter().map(|i| (i.name.clone(), 0)).collect(),
+        syncs: unit_names.iter().map(|n| (n.clone(), 0)).collect(),
     };
     let mut train_seconds = 0.0f64;
     let mut loss_sum = 0.0f64;
@@ -638,8 +646,18 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
     })
 }
 
+/// Appends `slice` of `unit`'s gradients or values to `out`.
+fn read_slice(unit: &dyn UnitMut, what: UnitData, slice: &UnitSlice, out: &mut Vec<f32>) {
+    append_unit_range(unit, what, slice.at, slice.len, slice.layer_len, out);
+}
+
+/// Overwrites `slice` of `unit`'s gradients or values from `src`.
+fn write_slice(unit: &mut dyn UnitMut, what: UnitData, slice: &UnitSlice, src: &[f32]) {
+    write_unit_range(unit, what, slice.at, slice.layer_len, src);
+}
+
 fn log_sync(
-    layers: &[usize],
+    units: &[UnitSlice],
     bucket: u32,
     launched: Instant,
     bytes: usize,
@@ -647,9 +665,9 @@ fn log_sync(
 ) {
     tracing::debug!(
         "[SYNC] layer={} bucket={} bytes={} ms={:.3}",
-        layers
+        units
             .iter()
-            .map(|&l| name(l))
+            .map(|u| name(u.id))
             .collect::<Vec<_>>()
             .join("+"),
         bucket,

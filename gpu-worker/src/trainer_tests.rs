@@ -63,6 +63,7 @@ fn run_with(
         overrides: &[],
         bubble_filling: false,
         delay: Some(delay),
+        sync_unit_kb: None,
         outer,
         link: &cfg.link,
         workers: cfg.workers,
@@ -143,6 +144,50 @@ fn dreamddp_syncs_each_layer_once_per_period_and_quarter_of_the_bytes() {
 }
 
 #[test]
+fn chunked_dreamddp_syncs_each_chunk_once_per_period_and_learns() {
+    let task = digits_task(ModelKind::Mlp);
+    let steps = 200;
+    let cfg = config(Strategy::DreamDdp, steps);
+    let plan_with = |kb: u64| {
+        build_plan(&PlanInputs {
+            task: &task,
+            strategy: Strategy::DreamDdp,
+            period: 4,
+            schedule: ScheduleKind::Equal,
+            overrides: &[],
+            bubble_filling: false,
+            delay: Some(1),
+            sync_unit_kb: Some(kb),
+            outer: OuterConfig::default(),
+            link: &cfg.link,
+            workers: cfg.workers,
+            batch: cfg.batch,
+            seed: cfg.seed,
+            measured: None,
+            backend: &node::backend::Backend::Builtin,
+        })
+        .expect("plan")
+    };
+    let whole = plan_with(0);
+    let chunked = plan_with(8);
+    assert!(
+        chunked.units().len() > whole.units().len(),
+        "{}",
+        chunked.describe()
+    );
+    let layers = train(&task, &cfg, whole, Box::new(|_, _| {})).expect("trains");
+    let chunks = train(&task, &cfg, chunked, Box::new(|_, _| {})).expect("trains");
+    assert!(chunks.per_layer_syncs.keys().any(|k| k.contains("[0/")));
+    for (unit, count) in &chunks.per_layer_syncs {
+        assert_eq!(*count, steps / 4, "unit {unit}");
+    }
+    // Every value is still averaged once per period: the same bytes as whole layers.
+    assert_eq!(chunks.bytes_sent, layers.bytes_sent);
+    let acc = chunks.test_accuracy.expect("classification");
+    assert!(acc > 0.9, "chunked dreamddp: test accuracy {acc}");
+}
+
+#[test]
 fn localsgd_syncs_every_period() {
     let task = digits_task(ModelKind::Mlp);
     let report = run(
@@ -210,6 +255,7 @@ fn bad_configs_are_errors_not_panics() {
         overrides: &[],
         bubble_filling: false,
         delay: Some(1),
+        sync_unit_kb: None,
         outer: OuterConfig::default(),
         link: &cfg.link,
         workers: 1,
@@ -233,6 +279,7 @@ fn bad_configs_are_errors_not_panics() {
         overrides: &[],
         bubble_filling: false,
         delay: Some(1),
+        sync_unit_kb: None,
         outer: OuterConfig::default(),
         link: &cfg.link,
         workers: 2,
@@ -259,6 +306,7 @@ fn the_nccl_choice_is_refused_not_run_on_the_cpu() {
         overrides: &[],
         bubble_filling: false,
         delay: Some(1),
+        sync_unit_kb: None,
         outer: OuterConfig::default(),
         link: &cfg.link,
         workers: cfg.workers,

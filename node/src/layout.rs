@@ -138,18 +138,14 @@ pub fn sync_layout_split(model: &Model, max_unit_values: Option<usize>) -> Vec<S
                 .max(1),
             None => 1,
         };
-        let rows = def.len.div_ceil(row_len);
-        // As few chunks as fit `max` with whole rows, the rows spread evenly over them.
-        let count = rows.div_ceil((max / row_len).max(1));
-        let (base, extra) = (rows / count, rows % count);
+        let lengths = engine::sync_units::chunk_lengths(def.len, row_len, max);
+        let count = lengths.len();
         let mut offset = 0;
-        for i in 0..count {
-            let chunk_rows = base + usize::from(i < extra);
-            let len = (chunk_rows * row_len).min(def.len - offset);
+        for (i, len) in lengths.into_iter().enumerate() {
             out.push(SyncLayerDef {
                 layer_id: 0,
                 model_index: def.model_index,
-                name: format!("{}[{i}/{count}]", def.layer_name),
+                name: engine::sync_units::chunk_name(&def.layer_name, i, count),
                 layer_name: def.layer_name.clone(),
                 offset,
                 len,

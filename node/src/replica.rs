@@ -141,6 +141,34 @@ impl Replica {
         self.net.with_unit(index, &mut |u| u.append_to(what, out));
     }
 
+    /// Appends values `at..at + len` of unit `index`'s gradients or values to `out` (a chunk
+    /// of a layer of `layer_len` values).
+    pub fn append_unit_range(
+        &mut self,
+        index: usize,
+        what: UnitData,
+        (at, len, layer_len): (usize, usize, usize),
+        out: &mut Vec<f32>,
+    ) {
+        self.net.with_unit(index, &mut |u| {
+            engine::replica::append_unit_range(u, what, at, len, layer_len, out)
+        });
+    }
+
+    /// Overwrites values `at..at + src.len()` of unit `index`'s gradients or values (a chunk
+    /// of a layer of `layer_len` values), the rest kept.
+    pub fn write_unit_range(
+        &mut self,
+        index: usize,
+        what: UnitData,
+        (at, layer_len): (usize, usize),
+        src: &[f32],
+    ) {
+        self.net.with_unit(index, &mut |u| {
+            engine::replica::write_unit_range(u, what, at, layer_len, src)
+        });
+    }
+
     /// Overwrites the values of unit `index` from a flat vector.
     pub fn set_layer_values(&mut self, index: usize, flat: &[f32]) {
         write_unit(self.net.as_mut(), index, UnitData::Values, flat);

@@ -16,6 +16,7 @@
 //! schedule = "auto"                # dreamddp: "auto" (default: search), "profiled" or "equal"
 //! bubble_filling = false           # dreamddp: extra syncs where the link would idle
 //! delay = 2                        # dreamddp: steps from launch to landing (default: chosen)
+//! sync_unit_kb = 512               # dreamddp: largest sync unit, KiB (0: whole layers; default: chosen)
 //! fragment_delay = 1               # streaming-diloco: inner steps an exchange overlaps (τ)
 //! outer = { lr = 0.7, momentum = 0.9, mix = 0.5 }   # diloco / streaming-diloco
 //! stop_at_target = false           # stop a strategy once the target is reached
@@ -147,6 +148,11 @@ pub struct ClustersSpec {
     /// Streaming DiLoCo: inner steps a fragment's exchange overlaps (τ; absent: 1).
     #[serde(default)]
     pub fragment_delay: Option<u64>,
+    /// DreamDDP: the largest sync unit in KiB; a larger layer is split into chunks scheduled
+    /// as units of their own (0: whole layers; absent: chosen by the configuration search).
+    /// `dreamddp-paper` and the other strategies keep whole layers.
+    #[serde(default)]
+    pub sync_unit_kb: Option<u64>,
     /// DiLoCo / Streaming DiLoCo outer optimizer (`{ lr = 0.7, momentum = 0.9, mix = 0.5 }`).
     #[serde(default)]
     pub outer: OuterConfig,

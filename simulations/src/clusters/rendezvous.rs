@@ -16,7 +16,8 @@ use super::ClustersError;
 
 /// One inter-cluster collective between launch and the last cluster's last apply.
 struct Collective {
-    layers: Vec<usize>,
+    /// Its sync units (plan unit ids), backward order.
+    units: Vec<usize>,
     /// Per cluster: when it joined and the buffer it brought.
     joined: Vec<Option<(SimTime, Vec<f32>)>>,
     /// Once resolved: when it moved and the weighted mean.
@@ -29,8 +30,8 @@ struct Collective {
 pub(super) struct Resolved {
     /// When it moved.
     pub span: CollectiveSpan,
-    /// Its layers, backward order.
-    pub layers: Vec<usize>,
+    /// Its sync units (plan unit ids), backward order.
+    pub units: Vec<usize>,
 }
 
 /// The collectives in progress, keyed (and resolved) in launch order.
@@ -52,15 +53,15 @@ impl Rendezvous {
     pub(super) fn join(
         &mut self,
         key: ReduceKey,
-        layers: Vec<usize>,
+        units: Vec<usize>,
         cluster: usize,
         at: SimTime,
         buffer: Vec<f32>,
     ) {
         let world = self.weights.len();
         let c = self.collectives.entry(key).or_insert_with(|| Collective {
-            applies_left: layers.len() * world,
-            layers,
+            applies_left: units.len() * world,
+            units,
             joined: vec![None; world],
             result: None,
         });
@@ -90,7 +91,7 @@ impl Rendezvous {
             let span = fabric.all_reduce(ready, mean.len() as u64 * 4)?;
             out.push(Resolved {
                 span,
-                layers: c.layers.clone(),
+                units: c.units.clone(),
             });
             c.result = Some((span, mean));
         }

@@ -121,7 +121,6 @@ pub(super) struct Simulation<'a> {
     /// Parameterized layer indices, forward order.
     units: Vec<usize>,
     layer_len: Vec<usize>,
-    layer_names: Vec<String>,
     fabric: Fabric,
     rendezvous: Rendezvous,
     intra_bytes: u64,
@@ -260,9 +259,14 @@ impl<'a> Simulation<'a> {
             _ => spec.delay,
         };
         config.outer = spec.outer;
+        config.sync_unit_params = match strategy {
+            Strategy::DreamDdp => spec.sync_unit_kb.map(|kb| (kb as usize) * 1024 / 4),
+            _ => Some(0),
+        };
         if choice.paper {
             config.schedule = ScheduleKind::Profiled;
             config.delay = Some(1);
+            config.sync_unit_params = Some(0);
         }
         let profile = if strategy == Strategy::DreamDdp {
             Some(profile_of(
@@ -299,10 +303,19 @@ impl<'a> Simulation<'a> {
         // backward hook (so a layer can be stepped, and for dreamddp its sync launched, as
         // soon as possible).
         let intra_buckets: Vec<Bucket> = match strategy {
-            Strategy::Wfbp => plan.buckets().to_vec(),
+            // wfbp's units are whole layers (only dreamddp's are chunked): its buckets by
+            // model layer index.
+            Strategy::Wfbp => plan
+                .buckets()
+                .iter()
+                .map(|b| Bucket {
+                    units: b.units.iter().map(|&id| plan.units()[id].index).collect(),
+                    ..b.clone()
+                })
+                .collect(),
             Strategy::Ssgd => vec![Bucket {
                 id: 0,
-                layers: infos.iter().rev().map(|i| i.index).collect(),
+                units: infos.iter().rev().map(|i| i.index).collect(),
                 params: infos.iter().map(|i| i.params).sum(),
             }],
             Strategy::LocalSgd
@@ -315,14 +328,14 @@ impl<'a> Simulation<'a> {
                 .enumerate()
                 .map(|(id, info)| Bucket {
                     id,
-                    layers: vec![info.index],
+                    units: vec![info.index],
                     params: info.params,
                 })
                 .collect(),
         };
         let mut intra_closes = vec![None; layer_count];
         for (b, bucket) in intra_buckets.iter().enumerate() {
-            let last = *bucket.layers.last().expect("buckets are not empty");
+            let last = *bucket.units.last().expect("buckets are not empty");
             intra_closes[last] = Some(b);
         }
 
@@ -353,7 +366,7 @@ impl<'a> Simulation<'a> {
                     stepped_at: vec![SimTime::ZERO; layer_count],
                     staging: BTreeMap::new(),
                     cuts: BTreeMap::new(),
-                    outer: OuterState::new(plan.outer(), layer_count),
+                    outer: OuterState::new(plan.outer(), plan.units().len()),
                     scratch: Vec::new(),
                     blocked: None,
                 },
@@ -370,7 +383,6 @@ impl<'a> Simulation<'a> {
             intra_closes,
             units,
             layer_len,
-            layer_names,
             fabric,
             clusters,
             intra_bytes: 0,
@@ -583,7 +595,7 @@ impl<'a> Simulation<'a> {
                 let start = t.max(c.intra_free);
                 c.intra_free = start + c.intra.all_reduce_time(bytes);
                 self.intra_bytes += c.intra.all_reduce_bytes(bytes);
-                for &l in &bucket.layers {
+                for &l in &bucket.units {
                     c.grad_avail[l] = c.intra_free;
                 }
             }
@@ -649,9 +661,10 @@ impl<'a> Simulation<'a> {
         // A parameter average lands `delay` optimizer steps after its cut (dreamddp, plsgd,
         // streaming-diloco); every other collective is waited within its step.
         let staleness = self.clusters[0].machine.plan().delay();
-        *self.staleness.entry(staleness).or_default() += r.layers.len() as u64;
+        *self.staleness.entry(staleness).or_default() += r.units.len() as u64;
         let span: CollectiveSpan = r.span;
-        for &l in &r.layers {
+        let units = self.clusters[0].machine.plan().units();
+        for &u in &r.units {
             if self.timeline.len() >= TIMELINE_CAP {
                 break;
             }
@@ -659,7 +672,7 @@ impl<'a> Simulation<'a> {
                 start_s: span.start.as_secs_f64(),
                 end_s: span.end.as_secs_f64(),
                 node: INTER_NODE.to_string(),
-                layer: self.layer_names[l].clone(),
+                layer: units[u].name.clone(),
                 weak: false,
             });
         }
@@ -672,28 +685,31 @@ impl<'a> Simulation<'a> {
 fn run_actions(c: &mut ClusterState, ci: usize, rendezvous: &mut Rendezvous) -> bool {
     while let Some(action) = c.blocked.take().or_else(|| c.machine.poll()) {
         match action {
-            SyncAction::Stage { layer, key, kind } => {
+            SyncAction::Stage { unit, key, kind } => {
                 let buf = c.staging.entry(key).or_default();
-                c.replica.append_unit(layer, kind.unit_data(), buf);
+                let range = (unit.at, unit.len, unit.layer_len);
+                c.replica
+                    .append_unit_range(unit.layer, kind.unit_data(), range, buf);
             }
             SyncAction::Launch {
                 key,
-                layers,
+                units,
                 kind,
                 landing,
             } => {
-                let ready = layers
+                let ready = units
                     .iter()
-                    .map(|&l| match kind {
-                        SyncKind::Gradients => c.grad_avail[l],
-                        SyncKind::Parameters => c.stepped_at[l],
+                    .map(|u| match kind {
+                        SyncKind::Gradients => c.grad_avail[u.layer],
+                        SyncKind::Parameters => c.stepped_at[u.layer],
                     })
                     .fold(c.now, SimTime::max);
                 let buffer = c.staging.remove(&key).unwrap_or_default();
                 if landing.needs_cut() {
                     c.cuts.insert(key, buffer.clone());
                 }
-                rendezvous.join(key, layers, ci, ready, buffer);
+                let ids = units.iter().map(|u| u.id).collect();
+                rendezvous.join(key, ids, ci, ready, buffer);
             }
             SyncAction::Wait { key } => match rendezvous.end_of(key) {
                 Some(end) => c.now = c.now.max(end),
@@ -704,30 +720,36 @@ fn run_actions(c: &mut ClusterState, ci: usize, rendezvous: &mut Rendezvous) -> 
             },
             SyncAction::Apply {
                 key,
-                layer,
+                unit,
                 offset,
-                len,
                 kind,
                 landing,
             } => {
                 let (replica, scratch, outer_state) =
                     (&mut c.replica, &mut c.scratch, &mut c.outer);
                 let cut = c.cuts.get(&key);
+                let len = unit.len;
+                let (what, layer) = (kind.unit_data(), unit.layer);
+                let read = |replica: &mut Replica, scratch: &mut Vec<f32>| {
+                    scratch.clear();
+                    let range = (unit.at, unit.len, unit.layer_len);
+                    replica.append_unit_range(layer, what, range, scratch);
+                };
+                let at = (unit.at, unit.layer_len);
                 rendezvous.apply(key, offset, len, |average| match (kind, landing) {
-                    (SyncKind::Gradients, _) => replica.set_layer_grads(layer, average),
-                    (SyncKind::Parameters, Landing::Replace) => {
-                        replica.set_layer_values(layer, average)
+                    (SyncKind::Gradients, _) | (SyncKind::Parameters, Landing::Replace) => {
+                        replica.write_unit_range(layer, what, at, average)
                     }
                     (SyncKind::Parameters, Landing::Rebase) => {
                         let cut = &cut.expect("a rebase keeps its cut")[offset..offset + len];
-                        replica.values_into(layer, scratch);
+                        read(replica, scratch);
                         outer::rebase(average, cut, scratch);
-                        replica.set_layer_values(layer, scratch);
+                        replica.write_unit_range(layer, what, at, scratch);
                     }
                     (SyncKind::Parameters, Landing::Outer { mix }) => {
-                        replica.values_into(layer, scratch);
-                        outer_state.land(layer, average, scratch, mix);
-                        replica.set_layer_values(layer, scratch);
+                        read(replica, scratch);
+                        outer_state.land(unit.id, average, scratch, mix);
+                        replica.write_unit_range(layer, what, at, scratch);
                     }
                 });
                 if landing.needs_cut() && offset + len == c.cuts.get(&key).map_or(0, Vec::len) {
@@ -738,9 +760,16 @@ fn run_actions(c: &mut ClusterState, ci: usize, rendezvous: &mut Rendezvous) -> 
                 c.replica.step_layer(layer);
                 c.stepped_at[layer] = c.now.max(c.grad_avail[layer]);
             }
-            SyncAction::SetAnchor { layer } => {
-                c.replica.values_into(layer, &mut c.scratch);
-                c.outer.set_anchor(layer, &c.scratch);
+            SyncAction::SetAnchor { unit } => {
+                c.scratch.clear();
+                let range = (unit.at, unit.len, unit.layer_len);
+                c.replica.append_unit_range(
+                    unit.layer,
+                    engine::replica::UnitData::Values,
+                    range,
+                    &mut c.scratch,
+                );
+                c.outer.set_anchor(unit.id, &c.scratch);
             }
         }
     }

@@ -373,8 +373,12 @@ fn bad_input_errors_name_the_key() {
     s.optimizer = Some("lamb".into());
     assert!(err(&s, "ssgd").contains("optimizer"));
 
+    // More steps in a period than units: an error with whole layers (`dreamddp-paper`, or
+    // `sync_unit_kb = 0`); the search splits layers into chunks instead.
     let mut s = default_scenario();
     s.period = 9;
+    assert!(err(&s, "dreamddp-paper").contains("period 9"));
+    s.clusters.as_mut().unwrap().sync_unit_kb = Some(0);
     assert!(err(&s, "dreamddp").contains("period 9"));
 
     // Unknown keys are refused by the parser with the key's name.
