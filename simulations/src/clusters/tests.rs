@@ -269,6 +269,39 @@ fn dreamddp_syncs_each_layer_once_per_period_one_collective_per_bucket() {
 }
 
 #[test]
+fn chunked_dreamddp_syncs_each_chunk_once_per_period_and_learns() {
+    // `sync_unit_kb = 8`: the mlp's first layer (33 KiB) becomes 5 units; with the equal
+    // split into H = 2 phases its chunks are averaged at different steps, each once per period
+    // (60 times in 120 steps), and the model still learns.
+    let mut s = scenario(
+        "groups = [{ name = \"dc\", count = 2, workers = 2, device = \"a100\", jitter = 0.2 }]\n\
+         sync_unit_kb = 8\nschedule = \"equal\"\ndelay = 1",
+        "bandwidth = \"20mbit\"\nlatency_ms = 5",
+        "",
+    );
+    s.max_steps = 120;
+    let task = digits_task(ModelKind::Mlp);
+    let r = run(&s, &task, "dreamddp");
+    let mut per_unit: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut starts: BTreeMap<&str, f64> = BTreeMap::new();
+    for e in &r.timeline {
+        *per_unit.entry(&e.layer).or_default() += 1;
+        starts.entry(&e.layer).or_insert(e.start_s);
+    }
+    let chunks: Vec<&str> = per_unit
+        .keys()
+        .copied()
+        .filter(|n| n.contains('['))
+        .collect();
+    assert!(chunks.len() >= 2, "{per_unit:?}");
+    assert!(per_unit.values().all(|&n| n == 60), "{per_unit:?}");
+    // The first and the last chunk of the layer are averaged at different steps.
+    let (first, last) = (chunks[0], chunks[chunks.len() - 1]);
+    assert_ne!(starts[first], starts[last], "{first} {last}");
+    assert!(r.time_to_target_s.is_some(), "{:?}", r.final_accuracy);
+}
+
+#[test]
 fn ssgd_and_wfbp_train_the_same_model() {
     let s = default_scenario();
     let task = digits_task(ModelKind::Mlp);
