@@ -7,6 +7,12 @@
 //!
 //! Signs: every error is `(simulated − real) / real`, so a negative time error means the
 //! simulator predicts reaching the target sooner than the real run did.
+//!
+//! Real runs on a shared machine over lossy links vary from run to run (FedBuff's final
+//! accuracy on `fidelity-smoke` spread over 19 points in three runs), so `--real-runs N`
+//! repeats the real side: each cell is then compared with the real runs' typical value (the
+//! median time to target when most runs reached it, the mean of the rest), every run's own
+//! comparison is kept in `fidelity.json` (`runs`), and the table prints each run's range.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -47,6 +53,9 @@ pub struct FidelityArgs {
     /// Fail unless |bytes error| ≤ this fraction for every strategy.
     #[arg(long)]
     pub max_bytes_error: Option<f64>,
+    /// Real runs per strategy (each cell is compared with their typical value).
+    #[arg(long, default_value_t = 1)]
+    pub real_runs: usize,
 }
 
 /// One strategy's comparison in `fidelity.json`.
@@ -86,6 +95,8 @@ pub struct StrategyFidelity {
     pub real_pace_overruns: u64,
     /// What made the real run not clean, if anything.
     pub real_problems: Vec<String>,
+    /// Real runs this row summarizes (1 unless `--real-runs`).
+    pub real_runs: usize,
 }
 
 /// `fidelity.json`.
@@ -97,8 +108,11 @@ pub struct FidelityReport {
     pub seed: u64,
     /// Target.
     pub target: String,
-    /// Per strategy.
+    /// Per strategy (against the real runs' typical values when there were several).
     pub strategies: Vec<StrategyFidelity>,
+    /// With `--real-runs N > 1`: per real run, each strategy compared with that run alone.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub runs: Vec<Vec<StrategyFidelity>>,
     /// Wall seconds of the simulation and of the real runs.
     pub sim_wall_seconds: f64,
     /// Wall seconds of the real runs.
@@ -178,6 +192,86 @@ pub fn compare(sim: &StrategyResult, real: &scenario_cluster::RealRun) -> Strate
             .filter_map(|n| n.pace_overruns)
             .sum(),
         real_problems: real.cluster.problems.clone(),
+        real_runs: 1,
+    }
+}
+
+fn mean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+/// One strategy's comparison with several real runs (`runs`: each compared alone, the same
+/// simulated values in each): the real time to target is the median of the runs that reached
+/// it when more than half did (else never), the other real cells are means; the errors are
+/// recomputed against these. Problems are kept per run.
+pub fn aggregate(runs: &[StrategyFidelity]) -> StrategyFidelity {
+    let first = &runs[0];
+    if runs.len() == 1 {
+        return first.clone();
+    }
+    let reached: Vec<f64> = runs
+        .iter()
+        .filter_map(|r| r.real_time_to_target_s)
+        .collect();
+    let real_time_to_target_s = if reached.len() * 2 > runs.len() {
+        median(reached)
+    } else {
+        None
+    };
+    let accuracies: Vec<f64> = runs.iter().filter_map(|r| r.real_final_accuracy).collect();
+    let real_final_accuracy = mean(&accuracies);
+    let bytes: Vec<f64> = runs.iter().map(|r| r.real_bytes as f64).collect();
+    let real_bytes = mean(&bytes).unwrap_or(0.0).round() as u64;
+    let weak: Vec<f64> = runs
+        .iter()
+        .map(|r| r.real_weak_sync_events as f64)
+        .collect();
+    let distances: Vec<f64> = runs.iter().filter_map(|r| r.staleness_distance).collect();
+    StrategyFidelity {
+        strategy: first.strategy.clone(),
+        sim_time_to_target_s: first.sim_time_to_target_s,
+        real_time_to_target_s,
+        time_to_target_error: match (first.sim_time_to_target_s, real_time_to_target_s) {
+            (Some(s), Some(t)) => signed_error(s, t),
+            _ => None,
+        },
+        sim_final_accuracy: first.sim_final_accuracy,
+        real_final_accuracy,
+        final_accuracy_diff: match (first.sim_final_accuracy, real_final_accuracy) {
+            (Some(s), Some(t)) => Some((s - t) * 100.0),
+            _ => None,
+        },
+        sim_bytes: first.sim_bytes,
+        real_bytes,
+        bytes_error: signed_error(first.sim_bytes as f64, real_bytes as f64),
+        sim_weak_sync_events: first.sim_weak_sync_events,
+        real_weak_sync_events: mean(&weak).unwrap_or(0.0).round() as u64,
+        staleness_distance: mean(&distances),
+        real_undelivered: runs.iter().map(|r| r.real_undelivered).sum(),
+        real_pace_overruns: runs.iter().map(|r| r.real_pace_overruns).sum(),
+        real_problems: runs
+            .iter()
+            .enumerate()
+            .flat_map(|(k, r)| {
+                r.real_problems
+                    .iter()
+                    .map(move |p| format!("run {}: {p}", k + 1))
+            })
+            .collect(),
+        real_runs: runs.len(),
     }
 }
 
@@ -232,6 +326,28 @@ fn print_report(r: &FidelityReport) {
             s.staleness_distance
                 .map_or("-".into(), |d| format!("{d:.2}")),
         );
+        if let Some(runs) = (!r.runs.is_empty()).then_some(&r.runs) {
+            let mine: Vec<&StrategyFidelity> = runs
+                .iter()
+                .filter_map(|run| run.iter().find(|x| x.strategy == s.strategy))
+                .collect();
+            println!(
+                "  {} real runs: time to target {}; final accuracy {}; MiB {}",
+                mine.len(),
+                mine.iter()
+                    .map(|x| secs(x.real_time_to_target_s))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                mine.iter()
+                    .map(|x| acc(x.real_final_accuracy))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                mine.iter()
+                    .map(|x| format!("{:.1}", x.real_bytes as f64 / (1u64 << 20) as f64))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            );
+        }
         if s.real_pace_overruns > 0 {
             println!(
                 "[WARN] {}: {} paced steps overran their device class's step time on this machine",
@@ -303,6 +419,9 @@ fn check_bounds(args: &FidelityArgs, r: &FidelityReport) -> Result<()> {
 
 /// Runs `fidelity`.
 pub fn run(args: FidelityArgs) -> Result<()> {
+    if args.real_runs == 0 {
+        bail!("--real-runs must be at least 1 (got 0)");
+    }
     let mut loaded: LoadedScenario = scenario_cluster::load(&args.scenario, &args.overrides)?;
     if args.overrides.strategies.is_none() {
         loaded
@@ -333,23 +452,44 @@ pub fn run(args: FidelityArgs) -> Result<()> {
             .collect::<Result<_>>()?,
     };
     let sim_wall_seconds = started.elapsed().as_secs_f64();
-    // The real runs.
+    // The real runs: `real/`, or `real/run-K/` for each of several.
     let started = Instant::now();
-    let (real, runs) = scenario_cluster::run_all(&loaded, &out.join("real"))?;
+    let mut reals = Vec::with_capacity(args.real_runs);
+    let mut per_run: Vec<Vec<StrategyFidelity>> = Vec::with_capacity(args.real_runs);
+    for k in 0..args.real_runs {
+        let dir = if args.real_runs == 1 {
+            out.join("real")
+        } else {
+            println!("real run {} of {}", k + 1, args.real_runs);
+            out.join("real").join(format!("run-{}", k + 1))
+        };
+        let (real, runs) = scenario_cluster::run_all(&loaded, &dir)?;
+        crate::simulate_cmd::write_outputs(&dir, &real)?;
+        per_run.push(
+            sim.strategies
+                .iter()
+                .zip(&runs)
+                .map(|(a, b)| compare(a, b))
+                .collect(),
+        );
+        reals.push(real);
+    }
     let real_wall_seconds = started.elapsed().as_secs_f64();
     crate::simulate_cmd::write_outputs(&out.join("sim"), &sim)?;
-    crate::simulate_cmd::write_outputs(&out.join("real"), &real)?;
 
+    let strategies = (0..sim.strategies.len())
+        .map(|i| aggregate(&per_run.iter().map(|run| run[i].clone()).collect::<Vec<_>>()))
+        .collect();
     let report = FidelityReport {
         scenario: s.name.clone(),
         seed: s.seed,
-        target: real.target.clone(),
-        strategies: sim
-            .strategies
-            .iter()
-            .zip(&runs)
-            .map(|(a, b)| compare(a, b))
-            .collect(),
+        target: reals[0].target.clone(),
+        strategies,
+        runs: if args.real_runs > 1 {
+            per_run
+        } else {
+            Vec::new()
+        },
         sim_wall_seconds,
         real_wall_seconds,
     };
@@ -365,8 +505,15 @@ pub fn run(args: FidelityArgs) -> Result<()> {
     let overlay: Vec<Series> = sim
         .strategies
         .iter()
-        .map(|r| (r, "sim"))
-        .chain(real.strategies.iter().map(|r| (r, "real")))
+        .map(|r| (r, "sim".to_string()))
+        .chain(reals.iter().enumerate().flat_map(|(k, real)| {
+            let engine = if reals.len() == 1 {
+                "real".to_string()
+            } else {
+                format!("real {}", k + 1)
+            };
+            real.strategies.iter().map(move |r| (r, engine.clone()))
+        }))
         .map(|(r, engine)| Series {
             label: format!("{} ({engine})", r.strategy),
             points: r.series.iter().map(|p| (p.time_s, metric(p))).collect(),
@@ -407,6 +554,57 @@ mod tests {
         let half = BTreeMap::from([(0, 5), (2, 5)]);
         assert!((staleness_distance(&a, &half).unwrap() - 0.5).abs() < 1e-12);
         assert_eq!(staleness_distance(&a, &BTreeMap::new()), None);
+    }
+
+    fn row(tt: Option<f64>, acc: f64, bytes: u64, problems: &[&str]) -> StrategyFidelity {
+        StrategyFidelity {
+            strategy: "fedbuff".into(),
+            sim_time_to_target_s: Some(44.8),
+            real_time_to_target_s: tt,
+            time_to_target_error: None,
+            sim_final_accuracy: Some(0.854),
+            real_final_accuracy: Some(acc),
+            final_accuracy_diff: None,
+            sim_bytes: 120,
+            real_bytes: bytes,
+            bytes_error: None,
+            sim_weak_sync_events: 0,
+            real_weak_sync_events: 2,
+            staleness_distance: Some(0.1),
+            real_undelivered: 0,
+            real_pace_overruns: 1,
+            real_problems: problems.iter().map(|p| p.to_string()).collect(),
+            real_runs: 1,
+        }
+    }
+
+    #[test]
+    fn several_real_runs_are_compared_through_their_typical_values() {
+        let runs = [
+            row(Some(20.0), 0.908, 100, &[]),
+            row(None, 0.716, 90, &["edge-1 lost"]),
+            row(Some(45.4), 0.888, 110, &[]),
+        ];
+        let a = aggregate(&runs);
+        assert_eq!(a.real_runs, 3);
+        // Two of three reached the target: the median of their times.
+        assert!((a.real_time_to_target_s.unwrap() - 32.7).abs() < 1e-9);
+        assert!((a.time_to_target_error.unwrap() - (44.8 - 32.7) / 32.7).abs() < 1e-9);
+        assert!((a.real_final_accuracy.unwrap() - (0.908 + 0.716 + 0.888) / 3.0).abs() < 1e-9);
+        assert_eq!(a.real_bytes, 100);
+        assert!((a.bytes_error.unwrap() - 0.2).abs() < 1e-9);
+        assert_eq!(a.real_pace_overruns, 3);
+        assert_eq!(a.real_problems, vec!["run 2: edge-1 lost".to_string()]);
+        // One of three reached it: never.
+        let b = aggregate(&[runs[1].clone(), runs[1].clone(), runs[0].clone()]);
+        assert_eq!(
+            (b.real_time_to_target_s, b.time_to_target_error),
+            (None, None)
+        );
+        // One run is itself.
+        let one = aggregate(&runs[..1]);
+        assert_eq!(one.real_time_to_target_s, Some(20.0));
+        assert_eq!(one.real_runs, 1);
     }
 
     #[test]

@@ -147,6 +147,7 @@ fn bad_flags_get_clear_errors() {
             "--sync-unit-kb",
         ),
         (&["train", "--dataset", "digits", "--link", "1gbt"], "1gbt"),
+        (&["fidelity", "--real-runs", "0"], "--real-runs"),
         (
             &["train", "--dataset", "digits", "--model", "resnet"],
             "expected one of: mlp, cnn, gpt-tiny",

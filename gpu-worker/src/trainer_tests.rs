@@ -43,6 +43,28 @@ fn config(strategy: Strategy, steps: u64) -> TrainConfig {
     }
 }
 
+/// Plan inputs for `cfg` on `task`: its strategy with period `period`, the equal schedule,
+/// delay 1, whole-layer units chosen by default, the default outer optimizer.
+fn inputs<'a>(task: &'a Task, cfg: &'a TrainConfig, period: u64) -> PlanInputs<'a> {
+    PlanInputs {
+        task,
+        strategy: cfg.strategy,
+        period,
+        schedule: ScheduleKind::Equal,
+        overrides: &[],
+        bubble_filling: false,
+        delay: Some(1),
+        sync_unit_kb: None,
+        outer: OuterConfig::default(),
+        link: &cfg.link,
+        workers: cfg.workers,
+        batch: cfg.batch,
+        seed: cfg.seed,
+        measured: None,
+        backend: &node::backend::Backend::Builtin,
+    }
+}
+
 fn run(task: &Task, cfg: &TrainConfig, period: u64, schedule: ScheduleKind) -> RunReport {
     run_with(task, cfg, period, schedule, 1, OuterConfig::default())
 }
@@ -56,21 +78,10 @@ fn run_with(
     outer: OuterConfig,
 ) -> RunReport {
     let plan = build_plan(&PlanInputs {
-        task,
-        strategy: cfg.strategy,
-        period,
         schedule,
-        overrides: &[],
-        bubble_filling: false,
         delay: Some(delay),
-        sync_unit_kb: None,
         outer,
-        link: &cfg.link,
-        workers: cfg.workers,
-        batch: cfg.batch,
-        seed: cfg.seed,
-        measured: None,
-        backend: &node::backend::Backend::Builtin,
+        ..inputs(task, cfg, period)
     })
     .expect("plan");
     train(task, cfg, plan, Box::new(|_, _| {})).expect("training succeeds")
@@ -150,21 +161,8 @@ fn chunked_dreamddp_syncs_each_chunk_once_per_period_and_learns() {
     let cfg = config(Strategy::DreamDdp, steps);
     let plan_with = |kb: u64| {
         build_plan(&PlanInputs {
-            task: &task,
-            strategy: Strategy::DreamDdp,
-            period: 4,
-            schedule: ScheduleKind::Equal,
-            overrides: &[],
-            bubble_filling: false,
-            delay: Some(1),
             sync_unit_kb: Some(kb),
-            outer: OuterConfig::default(),
-            link: &cfg.link,
-            workers: cfg.workers,
-            batch: cfg.batch,
-            seed: cfg.seed,
-            measured: None,
-            backend: &node::backend::Backend::Builtin,
+            ..inputs(&task, &cfg, 4)
         })
         .expect("plan")
     };
@@ -248,21 +246,8 @@ fn bad_configs_are_errors_not_panics() {
     let mut cfg = config(Strategy::Ssgd, 10);
     cfg.workers = 0;
     let plan = build_plan(&PlanInputs {
-        task: &task,
-        strategy: Strategy::Ssgd,
-        period: 1,
-        schedule: ScheduleKind::Equal,
-        overrides: &[],
-        bubble_filling: false,
-        delay: Some(1),
-        sync_unit_kb: None,
-        outer: OuterConfig::default(),
-        link: &cfg.link,
         workers: 1,
-        batch: 16,
-        seed: 0,
-        measured: None,
-        backend: &node::backend::Backend::Builtin,
+        ..inputs(&task, &cfg, 1)
     })
     .expect("plan");
     let Err(err) = train(&task, &cfg, plan, Box::new(|_, _| {})) else {
@@ -272,21 +257,9 @@ fn bad_configs_are_errors_not_panics() {
 
     // DreamDDP asked for more steps per period than the model has sync units.
     let Err(err) = build_plan(&PlanInputs {
-        task: &task,
         strategy: Strategy::DreamDdp,
-        period: 8,
-        schedule: ScheduleKind::Equal,
-        overrides: &[],
-        bubble_filling: false,
-        delay: Some(1),
-        sync_unit_kb: None,
-        outer: OuterConfig::default(),
-        link: &cfg.link,
         workers: 2,
-        batch: 16,
-        seed: 0,
-        measured: None,
-        backend: &node::backend::Backend::Builtin,
+        ..inputs(&task, &cfg, 8)
     }) else {
         panic!("period 8 with 4 sync units must be an error");
     };
@@ -298,24 +271,7 @@ fn the_nccl_choice_is_refused_not_run_on_the_cpu() {
     let task = digits_task(ModelKind::Mlp);
     let mut cfg = config(Strategy::Ssgd, 2);
     cfg.collective = crate::gpu_probe::CollectiveChoice::Nccl;
-    let plan = build_plan(&PlanInputs {
-        task: &task,
-        strategy: cfg.strategy,
-        period: 4,
-        schedule: ScheduleKind::Equal,
-        overrides: &[],
-        bubble_filling: false,
-        delay: Some(1),
-        sync_unit_kb: None,
-        outer: OuterConfig::default(),
-        link: &cfg.link,
-        workers: cfg.workers,
-        batch: cfg.batch,
-        seed: cfg.seed,
-        measured: None,
-        backend: &node::backend::Backend::Builtin,
-    })
-    .expect("plan");
+    let plan = build_plan(&inputs(&task, &cfg, 4)).expect("plan");
     let err = train(&task, &cfg, plan, Box::new(|_, _| {})).unwrap_err();
     assert!(
         err.to_string()
