@@ -421,14 +421,7 @@ pub fn print_table(s: &SimSummary) {
                 } else {
                     "DDP bucket caps"
                 },
-                if chosen.unit_params == 0 {
-                    "whole layers".to_string()
-                } else {
-                    format!(
-                        "sync units <= {} KiB",
-                        (chosen.unit_params * 4).div_ceil(1024)
-                    )
-                },
+                chosen.units_label(),
                 chosen.step_s * 1e3,
                 best_paper.map_or(String::new(), |p| format!(
                     ", the paper's profiled/delay 1: {:.2} ms",

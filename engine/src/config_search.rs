@@ -66,6 +66,20 @@ pub struct Candidate {
     pub chosen: bool,
 }
 
+impl Candidate {
+    /// `whole layers`, or `sync units <= K KiB`.
+    pub fn units_label(&self) -> String {
+        if self.unit_params == 0 {
+            "whole layers".to_string()
+        } else {
+            format!(
+                "sync units <= {} KiB",
+                crate::sync_units::kib_of_values(self.unit_params)
+            )
+        }
+    }
+}
+
 /// Mean step time of `plan` (see the module doc). `profile` is in backward order; `comm`
 /// gives the seconds one exchange of that many f32 parameters takes.
 pub fn modelled_step_time(
@@ -167,61 +181,62 @@ pub fn search(
         cap_bytes: usize::MAX,
         alone_over_bytes: usize::MAX,
     };
-    let mut built: Vec<(SyncPlan, Candidate)> = Vec::new();
-    let mut first_error = None;
-    for &delay in &delays {
-        for &unit_params in &unit_caps {
+    // Every configuration, in preference order: smaller delay, whole layers, profiled, more
+    // groups.
+    let configurations = delays.iter().flat_map(|&delay| {
+        unit_caps.iter().flat_map(move |&unit_params| {
             let unit_count = units_forward
                 .iter()
                 .map(|u| crate::sync_units::chunk_lengths(u.params, 1, unit_params).len())
                 .sum();
-            for (schedule, groups) in schedules(unit_count) {
-                for whole_groups in [false, true] {
-                    let mut c = config.clone();
-                    c.schedule = schedule;
-                    c.groups = groups;
-                    c.delay = Some(delay);
-                    c.sync_unit_params = Some(unit_params);
-                    if whole_groups {
-                        c.bucket_caps = whole;
-                    }
-                    match SyncPlan::new(model, units_forward, &c, Some(profile)) {
-                        Ok(plan) => {
-                            if whole_groups
-                                && plan.buckets().len()
-                                    == built.last().map_or(0, |b| b.0.buckets().len())
-                            {
-                                // The caps split nothing: the same plan as the previous candidate.
-                                continue;
-                            }
-                            let step_s = modelled_step_time(&plan, profile, comm);
-                            built.push((
-                                plan,
-                                Candidate {
-                                    schedule,
-                                    groups: groups.unwrap_or(h),
-                                    delay,
-                                    whole_groups,
-                                    unit_params,
-                                    step_s,
-                                    chosen: false,
-                                },
-                            ));
-                        }
-                        Err(e) => {
-                            first_error.get_or_insert(e);
-                        }
-                    }
-                }
+            schedules(unit_count)
+                .into_iter()
+                .map(move |(schedule, groups)| (delay, unit_params, schedule, groups))
+        })
+    });
+    let mut built: Vec<(SyncPlan, Candidate)> = Vec::new();
+    let mut first_error = None;
+    for (delay, unit_params, schedule, groups) in configurations {
+        for whole_groups in [false, true] {
+            let mut c = config.clone();
+            c.schedule = schedule;
+            c.groups = groups;
+            c.delay = Some(delay);
+            c.sync_unit_params = Some(unit_params);
+            if whole_groups {
+                c.bucket_caps = whole;
             }
+            let plan = match SyncPlan::new(model, units_forward, &c, Some(profile)) {
+                Ok(plan) => plan,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    continue;
+                }
+            };
+            if whole_groups
+                && plan.buckets().len() == built.last().map_or(0, |b| b.0.buckets().len())
+            {
+                // The caps split nothing: the same plan as the previous candidate.
+                continue;
+            }
+            let step_s = modelled_step_time(&plan, profile, comm);
+            let candidate = Candidate {
+                schedule,
+                groups: groups.unwrap_or(h),
+                delay,
+                whole_groups,
+                unit_params,
+                step_s,
+                chosen: false,
+            };
+            built.push((plan, candidate));
         }
     }
     let best = built
         .iter()
         .map(|(_, c)| c.step_s)
         .fold(f64::INFINITY, f64::min);
-    // `built` is in preference order: smaller delay first, then whole layers, then profiled,
-    // then more groups.
+    // `built` is in preference order (above).
     let Some(pick) = built
         .iter()
         .position(|(_, c)| c.step_s <= best * (1.0 + TIE_TOLERANCE))

@@ -363,6 +363,16 @@ pub struct PlanConfig {
 }
 
 impl PlanConfig {
+    /// [`Self::sync_unit_params`] for `strategy` from a cap in KiB (`--sync-unit-kb`,
+    /// `sync_unit_kb`): only `dreamddp` splits layers (`None`: its search chooses); every
+    /// other strategy keeps whole layers.
+    pub fn sync_unit_params_for(strategy: Strategy, kib: Option<u64>) -> Option<usize> {
+        match strategy {
+            Strategy::DreamDdp => kib.map(crate::sync_units::values_in_kib),
+            _ => Some(0),
+        }
+    }
+
     /// A config with the given strategy and period, the profiled schedule, no overrides and
     /// PyTorch-DDP bucket caps.
     pub fn new(strategy: Strategy, period: u64) -> Self {
@@ -776,11 +786,6 @@ impl SyncPlan {
                 "configuration search (modelled mean step time per schedule, phase groups, delay, exchanges per group, sync units):"
             );
             for c in candidates {
-                let units = if c.unit_params == 0 {
-                    "whole layers".to_string()
-                } else {
-                    format!("units <= {} KiB", (c.unit_params * 4).div_ceil(1024))
-                };
                 let _ = writeln!(
                     out,
                     "  {:<8} {} groups  delay {}  {:<11}  {:<18} {:>9.3} ms{}",
@@ -792,7 +797,7 @@ impl SyncPlan {
                     } else {
                         "bucket caps"
                     },
-                    units,
+                    c.units_label(),
                     c.step_s * 1e3,
                     if c.chosen { "  <- chosen" } else { "" }
                 );

@@ -28,6 +28,16 @@ pub fn chunk_lengths(len: usize, row_len: usize, max: usize) -> Vec<usize> {
         .collect()
 }
 
+/// The f32 values in `kib` KiB: a unit cap given in KiB (`sync_unit_kb`) as a value count.
+pub fn values_in_kib(kib: u64) -> usize {
+    usize::try_from(kib.saturating_mul(1024) / 4).unwrap_or(usize::MAX)
+}
+
+/// A unit cap of `values` f32 values, in KiB (rounded up), for labels.
+pub fn kib_of_values(values: usize) -> usize {
+    values.saturating_mul(4).div_ceil(1024)
+}
+
 /// The name of chunk `i` of `count` of layer `layer` (`layer` itself when `count == 1`).
 pub fn chunk_name(layer: &str, i: usize, count: usize) -> String {
     if count == 1 {
@@ -53,6 +63,9 @@ mod tests {
         assert_eq!(chunk_lengths(30, 10, 5), vec![10, 10, 10]);
         assert_eq!(chunk_name("fc1", 0, 1), "fc1");
         assert_eq!(chunk_name("fc1", 2, 4), "fc1[2/4]");
+        assert_eq!(values_in_kib(8), 2048);
+        assert_eq!(kib_of_values(2048), 8);
+        assert_eq!(kib_of_values(2049), 9);
     }
 
     proptest! {

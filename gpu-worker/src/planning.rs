@@ -77,10 +77,7 @@ pub fn build_plan(inp: &PlanInputs) -> Result<SyncPlan, PlanBuildError> {
     cfg.bubble_filling = inp.bubble_filling;
     cfg.delay = inp.delay;
     cfg.outer = inp.outer;
-    cfg.sync_unit_params = match inp.strategy {
-        Strategy::DreamDdp => inp.sync_unit_kb.map(|kb| (kb as usize) * 1024 / 4),
-        _ => Some(0),
-    };
+    cfg.sync_unit_params = PlanConfig::sync_unit_params_for(inp.strategy, inp.sync_unit_kb);
     // The profiled schedule and the configuration search both need timings.
     let needs_profile = inp.strategy == Strategy::DreamDdp
         && (inp.schedule != ScheduleKind::Equal || inp.delay.is_none());

@@ -226,9 +226,7 @@ impl ModelSection {
 
     /// The cluster's sync layout of `model` (split by [`Self::sync_unit_kb`]).
     pub fn layout(&self, model: &Model) -> Vec<SyncLayerDef> {
-        let max_values = self
-            .sync_unit_kb
-            .map(|kb| usize::try_from(kb.saturating_mul(1024) / 4).unwrap_or(usize::MAX));
+        let max_values = self.sync_unit_kb.map(engine::sync_units::values_in_kib);
         sync_layout_split(model, max_values)
     }
 }

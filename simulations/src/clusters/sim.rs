@@ -259,10 +259,7 @@ impl<'a> Simulation<'a> {
             _ => spec.delay,
         };
         config.outer = spec.outer;
-        config.sync_unit_params = match strategy {
-            Strategy::DreamDdp => spec.sync_unit_kb.map(|kb| (kb as usize) * 1024 / 4),
-            _ => Some(0),
-        };
+        config.sync_unit_params = PlanConfig::sync_unit_params_for(strategy, spec.sync_unit_kb);
         if choice.paper {
             config.schedule = ScheduleKind::Profiled;
             config.delay = Some(1);
