@@ -2,11 +2,13 @@
 # The prepared GPU check of issue 10: one run on a machine with NVIDIA GPUs, a few minutes,
 # one summary table. It records what the machine is, builds (or takes) a dreamddp binary with
 # the tch and nccl features, and runs:
-#   1. the NCCL probe through `train --collective nccl` (the NCCL all-reduce itself does not
-#      exist yet, so the best outcome today is the probe succeeding and `train` saying so);
-#   2. tch CUDA training of `mlp` and `resnet20`, each beside the same run on the CPU
+#   1. `dreamddp nccl-check`: NCCL all-reduce (in place on libtorch CUDA tensors, and the
+#      host-staged collective the trainer uses) against a CPU reference, and the share of the
+#      per-unit all-reduces hidden behind backward on mlp and resnet20 (CUDA events);
+#   2. `train --collective nccl` (one worker per GPU) end to end;
+#   3. tch CUDA training of `mlp` and `resnet20`, each beside the same run on the CPU
 #      (accuracy difference; the goal is within 0.3 points);
-#   3. the step time of ssgd, wfbp, localsgd and dreamddp on the GPU (mlp), side by side.
+#   4. the step time of ssgd, wfbp, localsgd and dreamddp on the GPU (mlp), side by side.
 # Without a GPU (no nvidia-smi, or it lists none) the GPU rows run on the CPU instead and the
 # table says so: that is how this script's own logic is tested on a CPU machine.
 #
@@ -17,6 +19,7 @@
 #   STEPS          training steps of the accuracy runs (default 600; resnet20 runs STEPS/3)
 #   TIMING_STEPS   steps of each strategy-timing run (default 200)
 #   DATASET        default auto (MNIST when found, else the embedded digits)
+#   DREAMDDP_DATA_DIR  folder with the data sets (MNIST IDX files), as `train` reads it
 #   OUT            output folder (default gpu-check-out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +67,9 @@ if [ -z "${LIBTORCH:-}" ] || [ ! -d "$LIBTORCH/lib" ]; then
 fi
 export LIBTORCH
 export LD_LIBRARY_PATH="$LIBTORCH/lib:${LD_LIBRARY_PATH:-}"
+# pip's NCCL (nvidia-nccl-cu1x) beside torch: tell the probe where it is.
+NCCL_DIR=$(find "$LIBTORCH/../nvidia" -name 'libnccl.so*' 2>/dev/null | head -1 | xargs -r dirname)
+[ -n "$NCCL_DIR" ] && [ -z "${DREAMDDP_NCCL_LIB:-}" ] && export DREAMDDP_NCCL_LIB=$NCCL_DIR
 row libtorch ok "$LIBTORCH"
 if [ -z "${DREAMDDP_BIN:-}" ]; then
     export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/dreamddp/target}
@@ -80,19 +86,34 @@ fi
 row build ok "$DREAMDDP_BIN"
 BIN=$DREAMDDP_BIN
 
-# 2. The NCCL probe (`--collective nccl` stops either way today; what it says is the result).
-"$BIN" train --quiet --collective nccl --backend tch --device "$DEVICE" --steps 1 --eval-every 0 \
-    > "$OUT/probe.log" 2>&1
-probe=$(grep -m1 -i "error\|collective" "$OUT/probe.log" | cut -c1-200)
-if grep -q "no NCCL all-reduce" "$OUT/probe.log"; then
-    row nccl-probe "NCCL usable" "$probe"
+metric() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); a=d.get("test_accuracy"); print("%.2f" % (a*100) if a is not None else "%.3f" % d["val_loss"])' "$1" 2>/dev/null; }
+step_ms() { python3 -c 'import json,sys; print("%.2f" % json.load(open(sys.argv[1]))["mean_step_ms"])' "$1" 2>/dev/null; }
+
+# 2. NCCL: correctness against a CPU reference and the overlap of per-unit all-reduces.
+if "$BIN" nccl-check --out "$OUT/nccl-check.json" > "$OUT/nccl-check.log" 2>&1; then
+    worst=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("%.1e" % max(r["rel_error"] for r in d["correctness"]), d["nccl_version"], d["devices"])' "$OUT/nccl-check.json")
+    set -- $worst
+    row "nccl all-reduce vs cpu" "max relative error $1" "NCCL $2, world $3 (every GPU); goal <= 1e-6"
+    python3 - "$OUT/nccl-check.json" >> "$SUMMARY" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["overlap"]:
+    print("overlap %s\t%.1f %% hidden\t%d/%d all-reduces started before backward ended; compute %.3f ms, all-reduce %.3f ms/step; step %.3f ms with NCCL vs %.3f without" % (
+        r["model"], 100 * r["hidden_share"], r["started_before_backward_end"], r["all_reduces"],
+        r["compute_ms"], r["comm_ms"], r["step_ms_with_nccl"], r["step_ms_without"]))
+PY
 else
-    row nccl-probe "NCCL not usable" "$probe"
+    row nccl-check failed "$(grep -m1 -i error "$OUT/nccl-check.log" | cut -c1-200)"
+fi
+if [ "$GPUS" -gt 0 ]; then
+    "$BIN" train --quiet --collective nccl --workers 1 --backend tch --device "$DEVICE" --model mlp \
+        --dataset "$DATASET" --strategy dreamddp --steps "$TIMING_STEPS" --eval-every 0 \
+        --out "$OUT/train-nccl.json" > "$OUT/train-nccl.log" 2>&1 &&
+        row "train --collective nccl" "$(metric "$OUT/train-nccl.json") %" "mlp, dreamddp, 1 worker on $DEVICE, $TIMING_STEPS steps" ||
+        row "train --collective nccl" failed "$(grep -m1 -i error "$OUT/train-nccl.log" | cut -c1-200)"
 fi
 
 # 3. Accuracy: the GPU run beside the same run on the CPU.
-metric() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); a=d.get("test_accuracy"); print("%.2f" % (a*100) if a is not None else "%.3f" % d["val_loss"])' "$1" 2>/dev/null; }
-step_ms() { python3 -c 'import json,sys; print("%.2f" % json.load(open(sys.argv[1]))["mean_step_ms"])' "$1" 2>/dev/null; }
 for model in mlp resnet20; do
     steps=$STEPS
     [ "$model" = resnet20 ] && steps=$((STEPS / 3))
@@ -100,7 +121,7 @@ for model in mlp resnet20; do
         tag=$model-${dev//:/}
         [ "$dev" = cpu ] && [ "$DEVICE" = cpu ] && [ -f "$OUT/$model-cpu.json" ] && continue
         "$BIN" train --quiet --backend tch --device "$dev" --model "$model" --dataset "$DATASET" \
-            --strategy ssgd --steps "$steps" --out "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1 ||
+            --strategy ssgd --steps "$steps" --eval-every 0 --out "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1 ||
             row "$tag" failed "see $OUT/$tag.log"
     done
     gpu=$(metric "$OUT/$model-${DEVICE//:/}.json"); cpu=$(metric "$OUT/$model-cpu.json")
@@ -117,5 +138,4 @@ for s in ssgd wfbp localsgd dreamddp; do
         > "$OUT/time-$s.log" 2>&1 || { row "step $s" failed "see $OUT/time-$s.log"; continue; }
     row "step time $s (mlp, $DEVICE)" "$(step_ms "$OUT/time-$s.json") ms" "$TIMING_STEPS steps"
 done
-row overlap "not measured" "needs the NCCL all-reduce (CUDA events around each bucket), not built yet"
 finish 0

@@ -48,6 +48,9 @@ pub enum Command {
     Certs(crate::node_cmds::CertsArgs),
     /// Run a user-space lossy UDP relay (loss, bursts, latency, jitter, bandwidth, outages, traces).
     Relay(crate::node_cmds::ProcessArgs),
+    /// Check the NCCL all-reduce on this machine's GPUs against a CPU reference and measure how
+    /// much of it hides behind backward (needs --features tch,nccl and a GPU).
+    NcclCheck(crate::nccl_check::NcclCheckArgs),
 }
 
 /// Flags of `bench`.

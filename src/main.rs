@@ -12,6 +12,7 @@ mod compare;
 mod coordinator_cmd;
 mod fidelity_cmd;
 mod global_model;
+mod nccl_check;
 mod node_cmds;
 mod plots;
 mod real_timeline;
@@ -58,6 +59,7 @@ fn main() {
         cli::Command::Swarm(a) => node_cmds::swarm(a),
         cli::Command::Certs(a) => node_cmds::certs(a),
         cli::Command::Relay(a) => node_cmds::relay(a),
+        cli::Command::NcclCheck(a) => nccl_check::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

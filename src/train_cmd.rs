@@ -101,7 +101,11 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         args.device.as_deref().unwrap_or("cpu"),
     )?;
     backend.probe()?;
-    let collective = resolve_collective(args.collective.as_deref(), &backend)?;
+    let collective = resolve_collective(
+        args.collective.as_deref(),
+        &backend,
+        args.workers.unwrap_or(4),
+    )?;
     let initial_values = match &args.load {
         None => None,
         Some(path) => Some(Arc::new(load_checkpoint(
@@ -174,21 +178,26 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
     })
 }
 
-/// Resolves `--collective` (default `auto`) for `backend`; says which collective runs.
-fn resolve_collective(flag: Option<&str>, backend: &Backend) -> Result<CollectiveChoice> {
+/// Resolves `--collective` (default `auto`) for `workers` workers on `backend`; says which
+/// collective runs.
+fn resolve_collective(
+    flag: Option<&str>,
+    backend: &Backend,
+    workers: usize,
+) -> Result<CollectiveChoice> {
     let request: CollectiveRequest = flag
         .unwrap_or("auto")
         .parse()
         .map_err(|e: String| anyhow!(e))?;
     let cuda = backend.device().starts_with("cuda");
-    let choice = select_collective(request, cuda, probe_restarting)?;
+    let choice = select_collective(request, cuda, workers, probe_restarting)?;
     tracing::info!("collective: {choice}");
     Ok(choice)
 }
 
 /// [`probe_nccl`], restarting this process once with the NCCL folder on `LD_LIBRARY_PATH` when
 /// NCCL was found only where the dynamic loader does not look (pip's `libnccl.so.2`).
-fn probe_restarting() -> std::result::Result<NcclInfo, GpuProbeError> {
+pub(crate) fn probe_restarting() -> std::result::Result<NcclInfo, GpuProbeError> {
     match probe_nccl() {
         Err(GpuProbeError::NcclNotOnLoaderPath { library, dir })
             if std::env::var_os(gpu_probe::REEXEC_ENV).is_none() =>

@@ -355,6 +355,15 @@ fn collective_flag_cpu_nccl_auto_and_clear_errors() {
     assert!(!t.contains("panicked"), "{t}");
     assert!(!t.contains("NCCL"), "{t}");
     assert!(t.contains("--features tch") || t.contains("CUDA"), "{t}");
+    // The GPU check says what it needs: the features, or a CUDA driver and NCCL.
+    let o = dreamddp(&["nccl-check", "--out", "/nonexistent-dir/nccl.json"]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(!t.contains("panicked"), "{t}");
+    assert!(
+        t.contains("--features tch,nccl") || t.contains("CUDA") || t.contains("NCCL"),
+        "{t}"
+    );
     // A bad value lists the accepted ones.
     let o = run(&["--collective", "bogus"]);
     let t = text(&o);

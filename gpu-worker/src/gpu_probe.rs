@@ -344,7 +344,7 @@ pub enum CollectiveChoice {
     /// [`node::thread_collective::ThreadCollective`].
     #[default]
     Cpu,
-    /// NCCL over the node's GPUs (not implemented yet: the trainer refuses it).
+    /// [`crate::nccl::NcclCollective`]: NCCL over the node's GPUs, one worker per GPU.
     Nccl,
 }
 
@@ -352,13 +352,18 @@ impl std::fmt::Display for CollectiveChoice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::Cpu => "cpu (thread all-reduce over host memory)",
-            Self::Nccl => "nccl",
+            Self::Nccl => "nccl (one rank per GPU, host-staged buckets)",
         })
     }
 }
 
-/// Whether this build has an NCCL all-reduce (not yet: issue 10's GPU part).
-pub const NCCL_COLLECTIVE_IMPLEMENTED: bool = false;
+/// Whether this build has the NCCL all-reduce (feature `nccl`).
+pub const NCCL_COLLECTIVE_IMPLEMENTED: bool = cfg!(feature = "nccl");
+
+/// Whether `auto` may pick NCCL. Not yet: `nccl-check` passed on an H200, but the trainer's
+/// NCCL path failed there once and its fix has not run on a GPU (docs/gpu.md), so `auto`
+/// keeps the CPU collective and says NCCL is there; `--collective nccl` asks for it.
+pub const AUTO_PICKS_NCCL: bool = false;
 
 /// Why `--collective` could not be honored.
 #[derive(Debug, Error)]
@@ -366,62 +371,75 @@ pub enum CollectiveSelectError {
     /// `--collective nccl` and NCCL is unusable.
     #[error("--collective nccl: {0}")]
     Unusable(GpuProbeError),
-    /// NCCL is usable but this build has no NCCL collective.
+    /// `--collective nccl` with more workers than GPUs (NCCL puts one rank on a device).
     #[error(
-        "--collective nccl: NCCL {version} works with {devices} GPU(s), but this build has no NCCL \
-         all-reduce yet; use --collective cpu (or auto)"
+        "--collective nccl: NCCL puts one rank on a GPU, and {ranks} workers were asked for with \
+         {devices} GPU(s) visible; use --workers {devices} (or fewer), or --collective cpu"
     )]
-    NotImplemented {
-        /// NCCL version.
-        version: String,
-        /// Devices seen.
+    TooFewDevices {
+        /// Workers asked for.
+        ranks: usize,
+        /// GPUs visible.
         devices: usize,
     },
 }
 
-/// Resolves `request` for a run whose backend device is `cuda` (true for `--device cuda…`),
-/// with `probe` standing in for [`probe_nccl`]. `auto` logs a `[WARN]` when GPUs were asked
-/// for but NCCL is unusable (or not implemented).
+/// Resolves `request` for a run of `ranks` workers whose backend device is `cuda` (true for
+/// `--device cuda…`), with `probe` standing in for [`probe_nccl`]. `auto` would pick NCCL when
+/// the device is CUDA, NCCL works and there is a GPU per worker ([`AUTO_PICKS_NCCL`]), and
+/// otherwise the CPU collective, with a `[WARN]` when GPUs were asked for and NCCL is unusable.
 pub fn select_collective(
     request: CollectiveRequest,
     cuda: bool,
+    ranks: usize,
     probe: impl FnOnce() -> Result<NcclInfo, GpuProbeError>,
 ) -> Result<CollectiveChoice, CollectiveSelectError> {
     match request {
         CollectiveRequest::Cpu => Ok(CollectiveChoice::Cpu),
         CollectiveRequest::Nccl => {
             let info = probe().map_err(CollectiveSelectError::Unusable)?;
-            if NCCL_COLLECTIVE_IMPLEMENTED {
-                Ok(CollectiveChoice::Nccl)
-            } else {
-                Err(CollectiveSelectError::NotImplemented {
-                    version: info.version_string(),
-                    devices: info.devices,
-                })
+            if !NCCL_COLLECTIVE_IMPLEMENTED {
+                // A probe that succeeds was built with the feature; keep the rule total.
+                return Err(CollectiveSelectError::Unusable(GpuProbeError::NotBuilt));
             }
+            if ranks > info.devices {
+                return Err(CollectiveSelectError::TooFewDevices {
+                    ranks,
+                    devices: info.devices,
+                });
+            }
+            Ok(CollectiveChoice::Nccl)
         }
         CollectiveRequest::Auto if !cuda => Ok(CollectiveChoice::Cpu),
-        CollectiveRequest::Auto => {
-            match probe() {
-                Ok(info) if NCCL_COLLECTIVE_IMPLEMENTED => {
-                    let _ = info;
-                    Ok(CollectiveChoice::Nccl)
+        CollectiveRequest::Auto => match probe() {
+            Ok(info) if NCCL_COLLECTIVE_IMPLEMENTED && ranks <= info.devices => {
+                if AUTO_PICKS_NCCL {
+                    return Ok(CollectiveChoice::Nccl);
                 }
-                Ok(info) => {
-                    tracing::warn!(
-                    "[WARN] NCCL {} works with {} GPU(s) but this build has no NCCL all-reduce yet; \
-                     using the CPU collective",
+                tracing::info!(
+                    "NCCL {} works with {} GPU(s); auto keeps the CPU collective until the \
+                     trainer's NCCL path is verified on a GPU: pass --collective nccl to use it",
                     info.version_string(),
                     info.devices
                 );
-                    Ok(CollectiveChoice::Cpu)
-                }
-                Err(e) => {
-                    tracing::warn!("[WARN] GPUs asked for but NCCL is unusable ({e}); using the CPU collective");
-                    Ok(CollectiveChoice::Cpu)
-                }
+                Ok(CollectiveChoice::Cpu)
             }
-        }
+            Ok(info) => {
+                tracing::warn!(
+                    "[WARN] NCCL {} sees {} GPU(s) for {ranks} workers (NCCL needs one GPU per \
+                     worker); using the CPU collective",
+                    info.version_string(),
+                    info.devices
+                );
+                Ok(CollectiveChoice::Cpu)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "[WARN] GPUs asked for but NCCL is unusable ({e}); using the CPU collective"
+                );
+                Ok(CollectiveChoice::Cpu)
+            }
+        },
     }
 }
 
@@ -552,30 +570,53 @@ mod tests {
         };
         let missing = || Err(GpuProbeError::NoCudaDriver("none".into()));
         assert_eq!(
-            select_collective(CollectiveRequest::Cpu, true, ok).unwrap(),
+            select_collective(CollectiveRequest::Cpu, true, 1, ok).unwrap(),
             CollectiveChoice::Cpu
         );
         assert_eq!(
-            select_collective(CollectiveRequest::Auto, false, || -> Result<NcclInfo, _> {
-                panic!("auto on a CPU device must not probe")
-            })
+            select_collective(
+                CollectiveRequest::Auto,
+                false,
+                1,
+                || -> Result<NcclInfo, _> { panic!("auto on a CPU device must not probe") }
+            )
             .unwrap(),
             CollectiveChoice::Cpu
         );
         assert_eq!(
-            select_collective(CollectiveRequest::Auto, true, missing).unwrap(),
+            select_collective(CollectiveRequest::Auto, true, 1, missing).unwrap(),
             CollectiveChoice::Cpu
         );
-        let e = select_collective(CollectiveRequest::Nccl, false, missing).unwrap_err();
+        let e = select_collective(CollectiveRequest::Nccl, false, 1, missing).unwrap_err();
         assert!(e.to_string().contains("CUDA driver"), "{e}");
-        // NCCL works but there is no NCCL all-reduce yet: nccl must not run the CPU collective.
-        let e = select_collective(CollectiveRequest::Nccl, true, ok).unwrap_err();
-        assert!(
-            e.to_string().contains("NCCL 2.29.7") && e.to_string().contains("no NCCL all-reduce"),
-            "{e}"
+        // NCCL works: nccl runs it with a GPU per worker, and refuses more workers than GPUs;
+        // a build without the collective says how to get it.
+        if NCCL_COLLECTIVE_IMPLEMENTED {
+            assert_eq!(
+                select_collective(CollectiveRequest::Nccl, true, 2, ok).unwrap(),
+                CollectiveChoice::Nccl
+            );
+            let e = select_collective(CollectiveRequest::Nccl, true, 3, ok).unwrap_err();
+            assert!(
+                e.to_string().contains("--workers 2") && e.to_string().contains("3 workers"),
+                "{e}"
+            );
+        } else {
+            let e = select_collective(CollectiveRequest::Nccl, true, 2, ok).unwrap_err();
+            assert!(e.to_string().contains("--features nccl"), "{e}");
+        }
+        // auto takes NCCL only with a GPU per worker (and not before it is verified).
+        let with_gpu_per_worker = if AUTO_PICKS_NCCL && NCCL_COLLECTIVE_IMPLEMENTED {
+            CollectiveChoice::Nccl
+        } else {
+            CollectiveChoice::Cpu
+        };
+        assert_eq!(
+            select_collective(CollectiveRequest::Auto, true, 2, ok).unwrap(),
+            with_gpu_per_worker
         );
         assert_eq!(
-            select_collective(CollectiveRequest::Auto, true, ok).unwrap(),
+            select_collective(CollectiveRequest::Auto, true, 4, ok).unwrap(),
             CollectiveChoice::Cpu
         );
     }

@@ -228,14 +228,10 @@ pub fn train(
             )));
         }
     }
-    let collective: Arc<dyn Collective> =
-        match cfg.collective {
-            CollectiveChoice::Cpu => Arc::new(ThreadCollective::new(cfg.workers, cfg.link)?),
-            CollectiveChoice::Nccl => return Err(TrainError::Config(
-                "the NCCL collective is not implemented in this build yet; use --collective cpu"
-                    .into(),
-            )),
-        };
+    let collective: Arc<dyn Collective> = match cfg.collective {
+        CollectiveChoice::Cpu => Arc::new(ThreadCollective::new(cfg.workers, cfg.link)?),
+        CollectiveChoice::Nccl => nccl_collective(cfg.workers)?,
+    };
     let shared = Arc::new(Shared {
         task: task.clone(),
         cfg: cfg.clone(),
@@ -674,6 +670,23 @@ fn log_sync(
         bytes,
         launched.elapsed().as_secs_f64() * 1e3
     );
+}
+
+/// The NCCL collective over GPUs `0..workers` (feature `nccl`).
+#[cfg(feature = "nccl")]
+fn nccl_collective(workers: usize) -> Result<Arc<dyn Collective>, TrainError> {
+    crate::nccl::NcclCollective::new(workers)
+        .map(|c| Arc::new(c) as Arc<dyn Collective>)
+        .map_err(|e| TrainError::Config(format!("--collective nccl: {e}")))
+}
+
+/// Without feature `nccl` there is no NCCL collective to run.
+#[cfg(not(feature = "nccl"))]
+fn nccl_collective(_workers: usize) -> Result<Arc<dyn Collective>, TrainError> {
+    Err(TrainError::Config(
+        "--collective nccl: this binary was built without NCCL support: rebuild with --features nccl"
+            .into(),
+    ))
 }
 
 #[cfg(test)]

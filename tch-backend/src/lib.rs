@@ -147,6 +147,10 @@ pub struct BackwardTiming {
 
 #[cfg(feature = "tch")]
 mod torch;
+/// The tch crate this backend is built on (its tensors, for callers that hand device memory
+/// to a collective).
+#[cfg(feature = "tch")]
+pub use tch;
 #[cfg(feature = "tch")]
 pub use torch::{check_device, measure_backward, measure_backward_on, parse_device, TchReplica};
 

@@ -1,0 +1,182 @@
+//! [`NcclCollective`]: the node's [`Collective`] over NCCL for workers whose values live on the
+//! host (the built-in engine, or tch replicas handing units over as host vectors): each
+//! submission is copied to its rank's GPU, all-reduced (`ncclAvg`) in place on the rank's
+//! communication stream, and copied back when the handle is waited on. This is the
+//! host-staged path mixed nodes use; GPU-resident tensors go through
+//! [`super::NcclRank::launch`] without copies.
+//!
+//! NCCL matches operations by order, not by key: every rank must submit its buckets in the
+//! same order (the sync machine does: every worker runs the same plan). World `w` puts rank
+//! `r` on GPU `r`. Like PyTorch's `ProcessGroupNCCL`, the communicator is made lazily: each
+//! rank joins (`ncclCommInitRank`, one unique id made up front) on its first submission, from
+//! its own worker thread, once that thread has set up its model on the GPU. The first version
+//! made it eagerly (`ncclCommInitAll` on the main thread, before the workers' libtorch
+//! replicas existed); on an H200 with NCCL 2.28.3 an all-reduce in `train` then failed with
+//! NCCL's "corrupted comm object detected", while `nccl-check` (communicators made after
+//! libtorch's CUDA set-up) passed. The lazy version has not yet run on a GPU (docs/gpu.md).
+//! With several GPUs a rank's first submission blocks until every rank has joined.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use node::collective::{Collective, CollectiveError, PendingReduce, ReduceHandle, ReduceKey};
+use node::link::LinkModel;
+
+use super::device::{DeviceBuffer, NcclRank, ReductionOp};
+use super::{cuda_err, NcclError};
+
+/// The NCCL collective over the first `world` GPUs of this process.
+pub struct NcclCollective {
+    id: [u8; 128],
+    ranks: Vec<Mutex<Option<NcclRank>>>,
+    bytes: Vec<AtomicU64>,
+    shut: AtomicBool,
+    reason: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for NcclCollective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclCollective")
+            .field("world", &self.ranks.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl NcclCollective {
+    /// One rank per GPU `0..world`.
+    ///
+    /// # Errors
+    /// See [`NcclRank::init_all`].
+    pub fn new(world: usize) -> Result<Self, NcclError> {
+        let info = crate::gpu_probe::probe_nccl()?;
+        if world == 0 || world > info.devices {
+            return Err(NcclError::TooFewDevices {
+                ranks: world,
+                devices: info.devices,
+            });
+        }
+        Ok(Self {
+            id: NcclRank::unique_id()?,
+            bytes: (0..world).map(|_| AtomicU64::new(0)).collect(),
+            ranks: (0..world).map(|_| Mutex::new(None)).collect(),
+            shut: AtomicBool::new(false),
+            reason: Mutex::new(None),
+        })
+    }
+
+    fn gone(&self) -> CollectiveError {
+        let reason = self
+            .reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .unwrap_or_else(|| "the NCCL collective was shut down".into());
+        CollectiveError::PeerGone { reason }
+    }
+
+    fn submit(&self, rank: &NcclRank, data: &[f32]) -> Result<HostStaged, NcclError> {
+        let stream = rank.comm_stream().clone();
+        let buffer: CudaSlice<f32> = stream.clone_htod(data).map_err(cuda_err("cuMemcpyHtoD"))?;
+        let ptr = {
+            let (ptr, _sync) = buffer.device_ptr(&stream);
+            ptr
+        };
+        let whole = [DeviceBuffer {
+            ptr,
+            len: data.len(),
+        }];
+        // SAFETY: `buffer` is this rank's device memory of `len` f32s, written on the same
+        // stream before the all-reduce, and kept alive in the handle until the copy back.
+        unsafe { rank.enqueue(&whole, ReductionOp::Avg)? };
+        let done = stream
+            .context()
+            .new_event(None)
+            .map_err(cuda_err("cuEventCreate"))?;
+        done.record(&stream).map_err(cuda_err("cuEventRecord"))?;
+        Ok(HostStaged {
+            buffer,
+            stream,
+            done,
+        })
+    }
+}
+
+fn backend_error(e: &NcclError) -> CollectiveError {
+    CollectiveError::Backend {
+        backend: "nccl",
+        message: e.to_string(),
+    }
+}
+
+/// A host-staged all-reduce in flight: the device copy, its stream, its completion event.
+struct HostStaged {
+    buffer: CudaSlice<f32>,
+    stream: Arc<CudaStream>,
+    done: CudaEvent,
+}
+
+impl PendingReduce for HostStaged {
+    fn is_ready(&self) -> bool {
+        self.done.is_complete()
+    }
+
+    fn wait(self: Box<Self>) -> Result<Vec<f32>, CollectiveError> {
+        self.stream
+            .clone_dtoh(&self.buffer)
+            .and_then(|v| self.stream.synchronize().map(|()| v))
+            .map_err(|e| backend_error(&cuda_err("cuMemcpyDtoH")(e)))
+    }
+}
+
+impl Collective for NcclCollective {
+    fn world(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn all_reduce_mean(
+        &self,
+        rank: usize,
+        key: ReduceKey,
+        data: Vec<f32>,
+    ) -> Result<ReduceHandle, CollectiveError> {
+        let world = self.ranks.len();
+        let slot = self
+            .ranks
+            .get(rank)
+            .ok_or(CollectiveError::RankOutOfRange { rank, world })?;
+        if self.shut.load(Ordering::SeqCst) {
+            return Err(self.gone());
+        }
+        let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            let joined = NcclRank::from_rank(rank, rank, world, &self.id);
+            *guard = Some(joined.map_err(|e| backend_error(&e))?);
+        }
+        let Some(nccl) = guard.as_ref() else {
+            return Err(self.gone());
+        };
+        let pending = self.submit(nccl, &data).map_err(|e| backend_error(&e))?;
+        let bytes = LinkModel::ring_allreduce_bytes_per_rank(data.len() * 4, world);
+        self.bytes[rank].fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(ReduceHandle::new(key, Box::new(pending)))
+    }
+
+    fn bytes_sent(&self, rank: usize) -> u64 {
+        self.bytes
+            .get(rank)
+            .map_or(0, |b| b.load(Ordering::Relaxed))
+    }
+
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn shutdown(&self, reason: &str) {
+        let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
+        if r.is_none() {
+            *r = Some(reason.to_string());
+        }
+        self.shut.store(true, Ordering::SeqCst);
+    }
+}
