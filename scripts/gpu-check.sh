@@ -106,11 +106,11 @@ else
     row nccl-check failed "$(grep -m1 -i error "$OUT/nccl-check.log" | cut -c1-200)"
 fi
 if [ "$GPUS" -gt 0 ]; then
-    "$BIN" train --quiet --collective nccl --workers 1 --backend tch --device "$DEVICE" --model mlp \
+    NCCL_DEBUG=WARN "$BIN" train --quiet --collective nccl --workers 1 --backend tch --device "$DEVICE" --model mlp \
         --dataset "$DATASET" --strategy dreamddp --steps "$TIMING_STEPS" --eval-every 0 \
         --out "$OUT/train-nccl.json" > "$OUT/train-nccl.log" 2>&1 &&
         row "train --collective nccl" "$(metric "$OUT/train-nccl.json") %" "mlp, dreamddp, 1 worker on $DEVICE, $TIMING_STEPS steps" ||
-        row "train --collective nccl" failed "$(grep -m1 -i error "$OUT/train-nccl.log" | cut -c1-200)"
+        row "train --collective nccl" failed "$(grep -m1 -i error "$OUT/train-nccl.log" | cut -c1-200); NCCL: $(grep -m1 'NCCL WARN' "$OUT/train-nccl.log" | cut -c1-160)"
 fi
 
 # 3. Accuracy: the GPU run beside the same run on the CPU.

@@ -94,6 +94,10 @@ pub struct ScenarioOverrides {
     /// `max_virtual_s` (written into the recorded scenario text).
     #[arg(long)]
     pub max_virtual_s: Option<f64>,
+    /// Scenario runs: evaluate the global model every this many seconds instead of the
+    /// scenario's `eval_every_s` (both engines; the time to target is read on this grid).
+    #[arg(long)]
+    pub eval_every_s: Option<f64>,
     /// Scenario runs: folder holding the data sets (default: $DREAMDDP_DATA_DIR, then
     /// ../shared/data/datasets).
     #[arg(long)]
@@ -106,6 +110,7 @@ pub fn load(name_or_path: &str, overrides: &ScenarioOverrides) -> Result<LoadedS
         strategies,
         seed,
         max_virtual_s,
+        eval_every_s,
         data_dir,
     } = overrides;
     let (seed, max_virtual_s, data_dir) = (*seed, *max_virtual_s, data_dir.as_deref());
@@ -132,6 +137,15 @@ pub fn load(name_or_path: &str, overrides: &ScenarioOverrides) -> Result<LoadedS
         // The scenario text recorded in summary.json says what ran.
         let mut table: toml::Table = toml::from_str(&text)?;
         table.insert("max_virtual_s".into(), toml::Value::Float(t));
+        text = toml::to_string(&table)?;
+    }
+    if let Some(e) = *eval_every_s {
+        if !(e.is_finite() && e > 0.0) {
+            bail!("--eval-every-s {e}: must be a positive number of seconds");
+        }
+        scenario.eval_every_s = e;
+        let mut table: toml::Table = toml::from_str(&text)?;
+        table.insert("eval_every_s".into(), toml::Value::Float(e));
         text = toml::to_string(&table)?;
     }
     let task = crate::simulate_cmd::build_task(&scenario, data_dir)?;
@@ -508,6 +522,34 @@ mod tests {
         let plan = plan_edge(&loaded.scenario, &loaded.task, strategy).unwrap();
         let file = cluster_file(&loaded, &plan, strategy).unwrap();
         (loaded, plan, file)
+    }
+
+    #[test]
+    fn the_evaluation_grid_can_be_overridden_for_both_engines() {
+        let loaded = load(
+            "fidelity-smoke",
+            &ScenarioOverrides {
+                eval_every_s: Some(0.5),
+                ..ScenarioOverrides::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(loaded.scenario.eval_every_s, 0.5);
+        assert!(
+            loaded.text.contains("eval_every_s = 0.5"),
+            "{}",
+            loaded.text
+        );
+        let bad = load(
+            "fidelity-smoke",
+            &ScenarioOverrides {
+                eval_every_s: Some(0.0),
+                ..ScenarioOverrides::default()
+            },
+        )
+        .err()
+        .expect("zero is refused");
+        assert!(bad.to_string().contains("--eval-every-s"), "{bad}");
     }
 
     #[test]
