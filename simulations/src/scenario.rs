@@ -148,6 +148,10 @@ fn default_period() -> u64 {
 pub const BUILTIN: &[(&str, &str)] = &[
     ("default", include_str!("../scenarios/default.toml")),
     (
+        "default-2core",
+        include_str!("../scenarios/default-2core.toml"),
+    ),
+    (
         "two-datacenters",
         include_str!("../scenarios/two-datacenters.toml"),
     ),
