@@ -104,6 +104,17 @@ pub struct ScenarioOverrides {
     pub data_dir: Option<PathBuf>,
 }
 
+/// Checks a seconds override from `flag` and writes it into the scenario `text` under `key`.
+fn override_seconds(text: &mut String, key: &str, flag: &str, seconds: f64) -> Result<f64> {
+    if !(seconds.is_finite() && seconds > 0.0) {
+        bail!("{flag} {seconds}: must be a positive number of seconds");
+    }
+    let mut table: toml::Table = toml::from_str(text)?;
+    table.insert(key.into(), toml::Value::Float(seconds));
+    *text = toml::to_string(&table)?;
+    Ok(seconds)
+}
+
 /// Loads an edge-kind scenario (a file or a built-in name) with the overrides.
 pub fn load(name_or_path: &str, overrides: &ScenarioOverrides) -> Result<LoadedScenario> {
     let ScenarioOverrides {
@@ -129,24 +140,13 @@ pub fn load(name_or_path: &str, overrides: &ScenarioOverrides) -> Result<LoadedS
     if let Some(list) = strategies.as_deref() {
         scenario.strategies = list.split(',').map(|s| s.trim().to_string()).collect();
     }
+    // Seconds overrides go into the scenario and into its text (summary.json records what ran).
     if let Some(t) = max_virtual_s {
-        if !(t.is_finite() && t > 0.0) {
-            bail!("--max-virtual-s {t}: must be a positive number of seconds");
-        }
-        scenario.max_virtual_s = t;
-        // The scenario text recorded in summary.json says what ran.
-        let mut table: toml::Table = toml::from_str(&text)?;
-        table.insert("max_virtual_s".into(), toml::Value::Float(t));
-        text = toml::to_string(&table)?;
+        scenario.max_virtual_s =
+            override_seconds(&mut text, "max_virtual_s", "--max-virtual-s", t)?;
     }
     if let Some(e) = *eval_every_s {
-        if !(e.is_finite() && e > 0.0) {
-            bail!("--eval-every-s {e}: must be a positive number of seconds");
-        }
-        scenario.eval_every_s = e;
-        let mut table: toml::Table = toml::from_str(&text)?;
-        table.insert("eval_every_s".into(), toml::Value::Float(e));
-        text = toml::to_string(&table)?;
+        scenario.eval_every_s = override_seconds(&mut text, "eval_every_s", "--eval-every-s", e)?;
     }
     let task = crate::simulate_cmd::build_task(&scenario, data_dir)?;
     let data_dir = data_dir
