@@ -136,6 +136,9 @@ mod imp {
     }
 
     fn rel_error(got: &[f32], want: &[f64]) -> f64 {
+        if got.len() != want.len() {
+            return f64::INFINITY;
+        }
         let scale = want
             .iter()
             .fold(0.0f64, |m, v| m.max(v.abs()))
@@ -144,9 +147,6 @@ mod imp {
             .iter()
             .zip(want)
             .fold(0.0f64, |m, (g, w)| m.max((f64::from(*g) - w).abs()));
-        if got.len() != want.len() {
-            return f64::INFINITY;
-        }
         worst / scale
     }
 

@@ -101,11 +101,8 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         args.device.as_deref().unwrap_or("cpu"),
     )?;
     backend.probe()?;
-    let collective = resolve_collective(
-        args.collective.as_deref(),
-        &backend,
-        args.workers.unwrap_or(4),
-    )?;
+    let workers = args.workers.unwrap_or(4);
+    let collective = resolve_collective(args.collective.as_deref(), &backend, workers)?;
     let initial_values = match &args.load {
         None => None,
         Some(path) => Some(Arc::new(load_checkpoint(
@@ -116,7 +113,6 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
         )?)),
     };
     let overrides = parse_overrides(args.layer_period.as_deref().unwrap_or(""))?;
-    let workers = args.workers.unwrap_or(4);
     let batch = args.batch.unwrap_or(d.batch);
     let seed = args.seed.unwrap_or(0);
     let link_spec = args.link.clone().unwrap_or_else(|| "none".to_string());

@@ -683,10 +683,10 @@ fn nccl_collective(workers: usize) -> Result<Arc<dyn Collective>, TrainError> {
 /// Without feature `nccl` there is no NCCL collective to run.
 #[cfg(not(feature = "nccl"))]
 fn nccl_collective(_workers: usize) -> Result<Arc<dyn Collective>, TrainError> {
-    Err(TrainError::Config(
-        "--collective nccl: this binary was built without NCCL support: rebuild with --features nccl"
-            .into(),
-    ))
+    Err(TrainError::Config(format!(
+        "--collective nccl: {}",
+        crate::gpu_probe::GpuProbeError::NotBuilt
+    )))
 }
 
 #[cfg(test)]

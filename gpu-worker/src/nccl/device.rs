@@ -138,7 +138,7 @@ impl NcclRank {
             result::comm_init_all(comms.as_mut_ptr(), n as i32, ordinals.as_ptr())
         })?
         .map_err(nccl_err("ncclCommInitAll"))?;
-        for (rank, comm) in comms.iter().enumerate() {
+        for (rank, &comm) in comms.iter().enumerate() {
             tracing::info!(
                 "NCCL communicator {comm:p}: rank {rank} of {n} on cuda:{}",
                 devices[rank]

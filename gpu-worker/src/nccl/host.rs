@@ -16,7 +16,7 @@
 //! libtorch's CUDA set-up) passed. The lazy version has not yet run on a GPU (docs/gpu.md).
 //! With several GPUs a rank's first submission blocks until every rank has joined.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
@@ -31,8 +31,8 @@ pub struct NcclCollective {
     id: [u8; 128],
     ranks: Vec<Mutex<Option<NcclRank>>>,
     bytes: Vec<AtomicU64>,
-    shut: AtomicBool,
-    reason: Mutex<Option<String>>,
+    /// Why the collective was shut down (`Some`: every submission fails).
+    shut_down: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for NcclCollective {
@@ -60,19 +60,16 @@ impl NcclCollective {
             id: NcclRank::unique_id()?,
             bytes: (0..world).map(|_| AtomicU64::new(0)).collect(),
             ranks: (0..world).map(|_| Mutex::new(None)).collect(),
-            shut: AtomicBool::new(false),
-            reason: Mutex::new(None),
+            shut_down: Mutex::new(None),
         })
     }
 
-    fn gone(&self) -> CollectiveError {
-        let reason = self
-            .reason
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+    /// `PeerGone` with the shutdown reason, when the collective was shut down.
+    fn gone(&self) -> Option<CollectiveError> {
+        let reason = self.shut_down.lock().unwrap_or_else(|p| p.into_inner());
+        reason
             .clone()
-            .unwrap_or_else(|| "the NCCL collective was shut down".into());
-        CollectiveError::PeerGone { reason }
+            .map(|reason| CollectiveError::PeerGone { reason })
     }
 
     fn submit(&self, rank: &NcclRank, data: &[f32]) -> Result<HostStaged, NcclError> {
@@ -145,16 +142,15 @@ impl Collective for NcclCollective {
             .ranks
             .get(rank)
             .ok_or(CollectiveError::RankOutOfRange { rank, world })?;
-        if self.shut.load(Ordering::SeqCst) {
-            return Err(self.gone());
+        if let Some(gone) = self.gone() {
+            return Err(gone);
         }
         let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
-        if guard.is_none() {
-            let joined = NcclRank::from_rank(rank, rank, world, &self.id);
-            *guard = Some(joined.map_err(|e| backend_error(&e))?);
-        }
-        let Some(nccl) = guard.as_ref() else {
-            return Err(self.gone());
+        let nccl = match &mut *guard {
+            Some(joined) => joined,
+            empty => empty.insert(
+                NcclRank::from_rank(rank, rank, world, &self.id).map_err(|e| backend_error(&e))?,
+            ),
         };
         let pending = self.submit(nccl, &data).map_err(|e| backend_error(&e))?;
         let bytes = LinkModel::ring_allreduce_bytes_per_rank(data.len() * 4, world);
@@ -173,10 +169,7 @@ impl Collective for NcclCollective {
     }
 
     fn shutdown(&self, reason: &str) {
-        let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
-        if r.is_none() {
-            *r = Some(reason.to_string());
-        }
-        self.shut.store(true, Ordering::SeqCst);
+        let mut r = self.shut_down.lock().unwrap_or_else(|p| p.into_inner());
+        r.get_or_insert_with(|| reason.to_string());
     }
 }
