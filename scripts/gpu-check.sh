@@ -5,7 +5,8 @@
 #   1. `dreamddp nccl-check`: NCCL all-reduce (in place on libtorch CUDA tensors, and the
 #      host-staged collective the trainer uses) against a CPU reference, and the share of the
 #      per-unit all-reduces hidden behind backward on mlp and resnet20 (CUDA events);
-#   2. `train --collective nccl` (one worker per GPU) end to end;
+#   2. `train --collective nccl` end to end: ssgd, wfbp, localsgd, dreamddp (mlp) and dreamddp
+#      (resnet20) through the device path beside the CPU collective, and the host-staged path;
 #   3. tch CUDA training of `mlp` and `resnet20`, each beside the same run on the CPU
 #      (accuracy difference; the goal is within 0.3 points);
 #   4. the step time of ssgd, wfbp, localsgd and dreamddp on the GPU (mlp), side by side.
@@ -21,6 +22,7 @@
 #   DATASET        default auto (MNIST when found, else the embedded digits)
 #   DREAMDDP_DATA_DIR  folder with the data sets (MNIST IDX files), as `train` reads it
 #   OUT            output folder (default gpu-check-out)
+#   ONLY_NCCL      set: stop after the NCCL rows (skip the accuracy and step-time rows)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check-out}
@@ -105,12 +107,44 @@ PY
 else
     row nccl-check failed "$(grep -m1 -i error "$OUT/nccl-check.log" | cut -c1-200)"
 fi
+# 2b. The trainer over NCCL (one worker on the GPU): each strategy through the device path
+# (buckets built in GPU memory) beside the same run over the CPU collective, and dreamddp and
+# ssgd through the host-staged path; accuracy and step time side by side. A failing run is
+# run again with NCCL_DEBUG=INFO (log kept) to say why.
+nccl_train() { # tag model strategy steps collective [env...]
+    local tag=$1 model=$2 strategy=$3 steps=$4 collective=$5; shift 5
+    env NCCL_DEBUG=WARN "$@" "$BIN" train --quiet --collective "$collective" --workers 1 --backend tch \
+        --device "$DEVICE" --model "$model" --dataset "$DATASET" --strategy "$strategy" --steps "$steps" \
+        --eval-every 0 --out "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1 && return 0
+    env NCCL_DEBUG=INFO "$@" "$BIN" train --quiet --collective "$collective" --workers 1 --backend tch \
+        --device "$DEVICE" --model "$model" --dataset "$DATASET" --strategy "$strategy" --steps 20 \
+        --eval-every 0 --out "$OUT/$tag-info.json" > "$OUT/$tag-info.log" 2>&1
+    return 1
+}
 if [ "$GPUS" -gt 0 ]; then
-    NCCL_DEBUG=WARN "$BIN" train --quiet --collective nccl --workers 1 --backend tch --device "$DEVICE" --model mlp \
-        --dataset "$DATASET" --strategy dreamddp --steps "$TIMING_STEPS" --eval-every 0 \
-        --out "$OUT/train-nccl.json" > "$OUT/train-nccl.log" 2>&1 &&
-        row "train --collective nccl" "$(metric "$OUT/train-nccl.json") %" "mlp, dreamddp, 1 worker on $DEVICE, $TIMING_STEPS steps" ||
-        row "train --collective nccl" failed "$(grep -m1 -i error "$OUT/train-nccl.log" | cut -c1-200); NCCL: $(grep -m1 'NCCL WARN' "$OUT/train-nccl.log" | cut -c1-160)"
+    for run in "mlp ssgd $STEPS" "mlp wfbp $STEPS" "mlp localsgd $STEPS" "mlp dreamddp $STEPS" "resnet20 dreamddp $((STEPS / 3))"; do
+        set -- $run; model=$1; s=$2; steps=$3
+        ok=1
+        nccl_train "nccl-$model-$s" "$model" "$s" "$steps" nccl || ok=0
+        nccl_train "cpucoll-$model-$s" "$model" "$s" "$steps" cpu || true
+        if [ $ok = 1 ]; then
+            row "train --collective nccl $s ($model)" \
+                "$(metric "$OUT/nccl-$model-$s.json") % vs $(metric "$OUT/cpucoll-$model-$s.json") % (cpu collective)" \
+                "step $(step_ms "$OUT/nccl-$model-$s.json") ms vs $(step_ms "$OUT/cpucoll-$model-$s.json") ms; 1 worker on $DEVICE, $steps steps, device path"
+        else
+            row "train --collective nccl $s ($model)" failed \
+                "$(grep -m1 -i error "$OUT/nccl-$model-$s.log" | cut -c1-200); NCCL: $(grep -m1 'NCCL WARN' "$OUT/nccl-$model-$s.log" "$OUT/nccl-$model-$s-info.log" | cut -c1-200)"
+        fi
+    done
+    for s in dreamddp ssgd; do
+        nccl_train "nccl-host-mlp-$s" mlp "$s" "$STEPS" nccl DREAMDDP_NCCL_STAGING=host &&
+            row "train --collective nccl $s (mlp), host-staged" "$(metric "$OUT/nccl-host-mlp-$s.json") %" \
+                "step $(step_ms "$OUT/nccl-host-mlp-$s.json") ms; DREAMDDP_NCCL_STAGING=host" ||
+            row "train --collective nccl $s (mlp), host-staged" failed "$(grep -m1 -i error "$OUT/nccl-host-mlp-$s.log" | cut -c1-200)"
+    done
+fi
+if [ -n "${ONLY_NCCL:-}" ]; then
+    finish 0
 fi
 
 # 3. Accuracy: the GPU run beside the same run on the CPU.

@@ -5,7 +5,9 @@
 //!    CUDA tensors with its own seeded values; [`NcclRank::launch`] all-reduces them in place
 //!    (SUM, then AVG) straight from the tensors' `data_ptr` (no copies), and the results are
 //!    compared with a CPU reference in `f64` (normwise relative error; goal ≤ 1e-6). The
-//!    host-staged [`NcclCollective`] the trainer uses is checked the same way.
+//!    trainer's two paths through [`NcclCollective`] are checked the same way: host-staged
+//!    vectors, and the device path (buckets built in GPU memory from tensors, a slot with no
+//!    memory and host values, landed back into tensors).
 //! 2. **Overlap.** A libtorch replica (`mlp`, `resnet20`) on `cuda:0` runs the staged backward;
 //!    the moment a unit is handed over it takes its optimizer step and its parameters are
 //!    all-reduced (AVG, as `dreamddp` does) on the communication stream after an event on the
@@ -43,7 +45,8 @@ pub struct NcclCheckArgs {
 #[cfg(all(feature = "tch", feature = "nccl"))]
 #[derive(Debug, Serialize)]
 pub struct CorrectnessRow {
-    /// `device-sum`, `device-avg` (in place on tensors) or `host-staged-avg`.
+    /// `device-sum`, `device-avg` (in place on tensors), `host-staged-avg` (the trainer's
+    /// host path) or `device-path-avg` (the trainer's device path: tensors, a gap, host values).
     pub case: String,
     /// Ranks (GPUs).
     pub world: usize,
@@ -119,6 +122,8 @@ mod imp {
     use engine::optim::OptimizerConfig;
     use engine::replica::ModelReplica;
     use engine::tensor::Tensor as HostTensor;
+    use engine::replica::{DeviceSpan, DeviceSpans};
+    use gpu_worker::device_sync::{DeviceCollective, StagedPiece};
     use gpu_worker::nccl::{DeviceBuffer, NcclCollective, NcclRank, ReductionOp};
     use node::collective::{Collective, ReduceKey};
     use rand::{Rng, SeedableRng};
@@ -219,6 +224,85 @@ mod imp {
         })
     }
 
+    /// Values with no memory behind them and host values in the device-path case.
+    const GAP: usize = 3;
+    const HOST: usize = 5;
+
+    /// Rank `r`'s input of the device-path case: `len` device values split over two tensors
+    /// around a `GAP` of zeros (a slot with no memory), then `HOST` host values.
+    fn device_path_input(rank: usize, len: usize) -> Vec<f32> {
+        let mut v = rank_values(rank, len + GAP + HOST);
+        v[len / 2..len / 2 + GAP].fill(0.0);
+        v
+    }
+
+    /// The trainer's device path ([`DeviceCollective::launch_pieces`]): every rank stages two
+    /// CUDA tensors, a gap and host values, lands the average into two fresh tensors and
+    /// reads the host part back; returns each rank's whole result.
+    fn device_path_case(collective: &NcclCollective, len: usize) -> Result<Vec<Vec<f32>>> {
+        let spans = |a: &Tensor, b: &Tensor| DeviceSpans {
+            device: 0,
+            spans: vec![
+                DeviceSpan {
+                    ptr: Some(a.data_ptr() as u64),
+                    len: len / 2,
+                },
+                DeviceSpan { ptr: None, len: GAP },
+                DeviceSpan {
+                    ptr: Some(b.data_ptr() as u64),
+                    len: len - len / 2,
+                },
+            ],
+        };
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..collective.world())
+                .map(|r| {
+                    scope.spawn(move || -> Result<Vec<f32>> {
+                        let device = Device::Cuda(collective.device_of(r));
+                        let input = device_path_input(r, len);
+                        let cuda = |v: &[f32]| {
+                            Tensor::f_from_slice(v)
+                                .and_then(|t| t.f_to_device(device))
+                                .map_err(|e| anyhow!("tensor on {device:?}: {e}"))
+                        };
+                        let a = cuda(&input[..len / 2])?;
+                        let b = cuda(&input[len / 2 + GAP..len + GAP])?;
+                        let pieces = [
+                            StagedPiece::Device(spans(&a, &b).range(0, len + GAP)),
+                            StagedPiece::Host(input[len + GAP..].to_vec()),
+                        ];
+                        // SAFETY: `a` and `b` are contiguous f32 tensors on the rank's GPU,
+                        // alive until after the compute stream waited on the landing.
+                        let landing =
+                            unsafe { collective.launch_pieces(r, ReduceKey::new(0, 0), &pieces) }?;
+                        landing.order_compute()?;
+                        let a2 = cuda(&vec![0.0; len / 2])?;
+                        let b2 = cuda(&vec![0.0; len - len / 2])?;
+                        // SAFETY: as above, for the fresh tensors.
+                        unsafe { landing.write_to_device(0, &spans(&a2, &b2).range(0, len + GAP)) }?;
+                        let host_part = landing.read_to_host(len + GAP, HOST)?;
+                        let back = |t: &Tensor| {
+                            t.f_to_device(Device::Cpu)
+                                .map_err(|e| anyhow!("copy back: {e}"))
+                                .and_then(|h| {
+                                    Vec::<f32>::try_from(&h).map_err(|e| anyhow!("copy back: {e}"))
+                                })
+                        };
+                        let mut out = back(&a2)?;
+                        out.extend(std::iter::repeat_n(0.0, GAP));
+                        out.extend(back(&b2)?);
+                        out.extend(host_part);
+                        Ok(out)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().map_err(|_| anyhow!("a rank thread panicked"))?)
+                .collect()
+        })
+    }
+
     fn correctness(devices: usize) -> Result<Vec<CorrectnessRow>> {
         // Loads libtorch's CUDA backend (and checks every device) before any tensor is made.
         for d in 0..devices {
@@ -253,6 +337,20 @@ mod imp {
                 case: "host-staged-avg".into(),
                 world: devices,
                 elements: len,
+                rel_error: err,
+            });
+            let got = device_path_case(&collective, len)?;
+            let mut want = vec![0.0f64; len + GAP + HOST];
+            for r in 0..devices {
+                for (w, v) in want.iter_mut().zip(device_path_input(r, len)) {
+                    *w += f64::from(v) / devices as f64;
+                }
+            }
+            let err = got.iter().map(|g| rel_error(g, &want)).fold(0.0, f64::max);
+            rows.push(CorrectnessRow {
+                case: "device-path-avg".into(),
+                world: devices,
+                elements: len + GAP + HOST,
                 rel_error: err,
             });
         }

@@ -51,6 +51,66 @@ pub trait UnitMut {
     fn write_from(&mut self, what: UnitData, src: &[f32]);
     /// Runs the unit's optimizer with its current gradients at learning rate `lr`.
     fn step(&mut self, lr: f32);
+    /// Where the unit's gradients or values live in a CUDA device's memory, in flat-vector
+    /// order, when every tensor is a contiguous `f32` tensor on one device; `None` (the
+    /// default: host backends) when not, and then callers go through [`Self::append_to`].
+    fn device_spans(&self, what: UnitData) -> Option<DeviceSpans> {
+        let _ = what;
+        None
+    }
+}
+
+/// A run of a unit's flat vector in device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceSpan {
+    /// Device address of the run's first `f32`; `None` for a slot with no memory behind it
+    /// (the zero gradients of a BatchNorm statistic): it reads as zeros, writes skip it.
+    pub ptr: Option<u64>,
+    /// Number of `f32` values.
+    pub len: usize,
+}
+
+/// A unit's flat vector as runs of one CUDA device's memory ([`UnitMut::device_spans`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceSpans {
+    /// CUDA device index.
+    pub device: usize,
+    /// The runs, in flat order; their lengths add up to the unit's length.
+    pub spans: Vec<DeviceSpan>,
+}
+
+impl DeviceSpans {
+    /// Total length in `f32` values.
+    pub fn len(&self) -> usize {
+        self.spans.iter().map(|s| s.len).sum()
+    }
+
+    /// True when the unit has no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The runs covering values `at..at + len` of the flat vector (cut at both ends; empty
+    /// runs dropped). Values past the end are not covered.
+    pub fn range(&self, at: usize, len: usize) -> Vec<DeviceSpan> {
+        let end = at.saturating_add(len);
+        let mut out = Vec::new();
+        let mut start = 0usize;
+        for s in &self.spans {
+            let (lo, hi) = (start.max(at), (start + s.len).min(end));
+            if lo < hi {
+                out.push(DeviceSpan {
+                    ptr: s.ptr.map(|p| p + ((lo - start) * 4) as u64),
+                    len: hi - lo,
+                });
+            }
+            start += s.len;
+            if start >= end {
+                break;
+            }
+        }
+        out
+    }
 }
 
 /// One model replica with its optimizer state (see the module doc).
@@ -300,6 +360,48 @@ pub fn write_unit_range(
 mod tests {
     use super::*;
     use crate::models::mlp::mlp;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// A range of device spans addresses exactly the bytes of that range of the flat
+        /// vector: model the flat vector as consecutive addresses per span and compare.
+        #[test]
+        fn device_span_ranges_address_exactly_the_range(
+            lens in proptest::collection::vec((0usize..7, any::<bool>()), 0..6),
+            at in 0usize..40,
+            len in 0usize..40,
+        ) {
+            // Span i lives at 1_000_000 * (i + 1); `false` marks a slot with no memory.
+            let spans = DeviceSpans {
+                device: 0,
+                spans: lens
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(n, backed))| DeviceSpan {
+                        ptr: backed.then_some(1_000_000 * (i as u64 + 1)),
+                        len: n,
+                    })
+                    .collect(),
+            };
+            let total = spans.len();
+            // Where flat value k lives (None: no memory).
+            let mut address = Vec::new();
+            for s in &spans.spans {
+                for j in 0..s.len {
+                    address.push(s.ptr.map(|p| p + 4 * j as u64));
+                }
+            }
+            let got: Vec<Option<u64>> = spans
+                .range(at, len)
+                .iter()
+                .flat_map(|s| (0..s.len).map(move |j| s.ptr.map(|p| p + 4 * j as u64)))
+                .collect();
+            let want: Vec<Option<u64>> =
+                address[at.min(total)..(at + len).min(total)].to_vec();
+            prop_assert_eq!(got, want);
+            prop_assert!(spans.range(at, len).iter().all(|s| s.len > 0));
+        }
+    }
 
     #[test]
     fn a_range_of_a_unit_reads_and_writes_only_its_values() {

@@ -2,9 +2,11 @@
 //! localsgd, dreamddp) — their per-step decisions in the sans-IO [`sync_machine`], the
 //! multi-worker training loop that executes them ([`trainer`]), and the DreamDDP plan built
 //! from a profile measured on this machine ([`planning`], [`profile`]), and, with feature
-//! `nccl`, the NCCL collective (`nccl`). What every node
+//! `nccl`, the NCCL collective (`nccl`) and the trainer's device-resident path over it
+//! ([`device_sync`]). What every node
 //! shares (task, replica, collectives, config) lives in the `node` crate.
 
+pub mod device_sync;
 pub mod gpu_probe;
 #[cfg(feature = "nccl")]
 pub mod nccl;

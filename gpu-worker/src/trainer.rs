@@ -44,6 +44,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use thiserror::Error;
 
+use crate::device_sync::{DeviceCollective, DeviceLanding, StagedPiece};
 use crate::gpu_probe::CollectiveChoice;
 use crate::sync_machine::{SyncAction, UnitSlice, WorkerSyncMachine};
 use node::backend::{Backend, BackendError};
@@ -192,6 +193,8 @@ struct Shared {
     cfg: TrainConfig,
     plan: SyncPlan,
     collective: Arc<dyn Collective>,
+    /// The same collective's device path, when it has one and the plan can use it.
+    device: Option<Arc<dyn DeviceCollective>>,
     barrier: Barrier,
     curve: Mutex<Vec<CurvePoint>>,
     progress: Box<dyn Fn(u64, f32) + Send + Sync>,
@@ -228,15 +231,30 @@ pub fn train(
             )));
         }
     }
-    let collective: Arc<dyn Collective> = match cfg.collective {
-        CollectiveChoice::Cpu => Arc::new(ThreadCollective::new(cfg.workers, cfg.link)?),
+    let (collective, device): (Arc<dyn Collective>, _) = match cfg.collective {
+        CollectiveChoice::Cpu => (
+            Arc::new(ThreadCollective::new(cfg.workers, cfg.link)?),
+            None,
+        ),
         CollectiveChoice::Nccl => nccl_collective(cfg.workers)?,
     };
+    let device = device.filter(|_| device_path_wanted(&plan));
+    if cfg.collective == CollectiveChoice::Nccl {
+        tracing::info!(
+            "NCCL buckets staged {}",
+            if device.is_some() {
+                "in GPU memory for units on the rank's GPU (device path)"
+            } else {
+                "through the host (the plan's landing needs host arithmetic, or DREAMDDP_NCCL_STAGING=host)"
+            }
+        );
+    }
     let shared = Arc::new(Shared {
         task: task.clone(),
         cfg: cfg.clone(),
         plan,
         collective: collective.clone(),
+        device,
         barrier: Barrier::new(cfg.workers),
         curve: Mutex::new(Vec::new()),
         progress,
@@ -341,14 +359,56 @@ pub fn train(
 /// A launched all-reduce: which units it carries, in backward order, and its handle.
 struct InFlight {
     units: Vec<UnitSlice>,
-    handle: ReduceHandle,
+    handle: Pending,
     launched: Instant,
+}
+
+/// The handle of a launched all-reduce.
+enum Pending {
+    /// Through [`Collective::all_reduce_mean`]: the average comes back to the host.
+    Host(ReduceHandle),
+    /// Through [`DeviceCollective::launch_pieces`]: the average stays in GPU memory.
+    Device(Box<dyn DeviceLanding>),
+}
+
+/// A waited all-reduce's average.
+enum Average {
+    Host(Vec<f32>),
+    Device(Box<dyn DeviceLanding>),
+}
+
+impl Average {
+    fn len(&self) -> usize {
+        match self {
+            Self::Host(v) => v.len(),
+            Self::Device(d) => d.len(),
+        }
+    }
+
+    /// Values `offset..offset + len` on the host.
+    fn host_range(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> Result<std::borrow::Cow<'_, [f32]>, CollectiveError> {
+        match self {
+            Self::Host(v) => Ok(std::borrow::Cow::Borrowed(&v[offset..offset + len])),
+            Self::Device(d) => d.read_to_host(offset, len).map(std::borrow::Cow::Owned),
+        }
+    }
 }
 
 /// A waited all-reduce whose slices are still being written into the model.
 struct Landed {
-    values: Vec<f32>,
+    values: Average,
     slices_left: usize,
+}
+
+/// True when `plan` can take the device path ([`crate::device_sync`]): its averages land by
+/// replacement, and `DREAMDDP_NCCL_STAGING` does not ask for the host path.
+fn device_path_wanted(plan: &SyncPlan) -> bool {
+    plan.landing() == Landing::Replace
+        && std::env::var("DREAMDDP_NCCL_STAGING").map_or(true, |v| v != "host")
 }
 
 /// Executes the [`SyncAction`]s of one worker's [`WorkerSyncMachine`] on the real model and
@@ -356,6 +416,10 @@ struct Landed {
 struct SyncExecutor<'a> {
     rank: usize,
     collective: &'a dyn Collective,
+    /// The collective's device path ([`crate::device_sync`]), when taken.
+    device: Option<&'a dyn DeviceCollective>,
+    /// Buckets being staged for the device path.
+    device_staging: BTreeMap<ReduceKey, Vec<StagedPiece>>,
     /// Unit names by unit id (logs, per-unit sync counts).
     unit_names: &'a [String],
     staging: BTreeMap<ReduceKey, Vec<f32>>,
@@ -385,8 +449,20 @@ impl SyncExecutor<'_> {
                 kind,
             } => {
                 let unit = unit.expect("a staged layer");
-                let buf = self.staging.entry(key).or_default();
-                read_slice(unit, kind.unit_data(), &slice, buf);
+                if let Some(device) = self.device {
+                    let piece = match device_spans(unit, kind.unit_data(), device, self.rank) {
+                        Some(spans) => StagedPiece::Device(spans.range(slice.at, slice.len)),
+                        None => {
+                            let mut values = Vec::with_capacity(slice.len);
+                            read_slice(unit, kind.unit_data(), &slice, &mut values);
+                            StagedPiece::Host(values)
+                        }
+                    };
+                    self.device_staging.entry(key).or_default().push(piece);
+                } else {
+                    let buf = self.staging.entry(key).or_default();
+                    read_slice(unit, kind.unit_data(), &slice, buf);
+                }
             }
             SyncAction::Launch {
                 key,
@@ -394,12 +470,22 @@ impl SyncExecutor<'_> {
                 landing,
                 ..
             } => {
-                let buf = self.staging.remove(&key).unwrap_or_default();
-                if landing.needs_cut() {
-                    self.cuts.insert(key, buf.clone());
-                }
                 let launched = Instant::now();
-                let handle = self.collective.all_reduce_mean(self.rank, key, buf)?;
+                let handle = if let Some(device) = self.device {
+                    debug_assert!(!landing.needs_cut(), "device path plans land by replacement");
+                    let pieces = self.device_staging.remove(&key).unwrap_or_default();
+                    // SAFETY: the runs were taken from the units' tensors on this rank's GPU
+                    // when they were staged, in this backward (or right after it); the sync
+                    // machine steps no staged unit before its bucket launches and the tch
+                    // optimizer updates tensors in place, so the runs are still those tensors.
+                    Pending::Device(unsafe { device.launch_pieces(self.rank, key, &pieces)? })
+                } else {
+                    let buf = self.staging.remove(&key).unwrap_or_default();
+                    if landing.needs_cut() {
+                        self.cuts.insert(key, buf.clone());
+                    }
+                    Pending::Host(self.collective.all_reduce_mean(self.rank, key, buf)?)
+                };
                 self.in_flight.insert(
                     key,
                     InFlight {
@@ -414,7 +500,13 @@ impl SyncExecutor<'_> {
                     .in_flight
                     .remove(&key)
                     .expect("the machine waits only for launched collectives");
-                let values = f.handle.wait()?;
+                let values = match f.handle {
+                    Pending::Host(handle) => Average::Host(handle.wait()?),
+                    Pending::Device(landing) => {
+                        landing.order_compute()?;
+                        Average::Device(landing)
+                    }
+                };
                 if self.rank == 0 {
                     log_sync(&f.units, key.bucket, f.launched, values.len() * 4, |u| {
                         self.unit_names[u].clone()
@@ -436,34 +528,34 @@ impl SyncExecutor<'_> {
                 landing,
             } => {
                 let unit = unit.expect("an applied layer");
-                let landed = self
+                let mut landed = self
                     .landed
-                    .get_mut(&key)
+                    .remove(&key)
                     .expect("the machine applies only waited collectives");
                 let len = slice.len;
-                let average = &landed.values[offset..offset + len];
                 let what = kind.unit_data();
-                match landing {
-                    Landing::Replace => write_slice(unit, what, &slice, average),
-                    Landing::Rebase => {
-                        let cut = &self.cuts.get(&key).expect("a rebase keeps its cut")
-                            [offset..offset + len];
-                        self.scratch.clear();
-                        read_slice(unit, what, &slice, &mut self.scratch);
-                        outer::rebase(average, cut, &mut self.scratch);
-                        write_slice(unit, what, &slice, &self.scratch);
+                let device_runs = match (&landed.values, landing, self.device) {
+                    (Average::Device(_), Landing::Replace, Some(device)) => {
+                        device_spans(unit, what, device, self.rank)
                     }
-                    Landing::Outer { mix } => {
-                        self.scratch.clear();
-                        read_slice(unit, what, &slice, &mut self.scratch);
-                        self.outer.land(slice.id, average, &mut self.scratch, mix);
-                        write_slice(unit, what, &slice, &self.scratch);
+                    _ => None,
+                };
+                match (device_runs, &landed.values) {
+                    (Some(spans), Average::Device(avg)) => {
+                        // SAFETY: the runs are the unit's tensors on the rank's GPU, now; the
+                        // compute stream was ordered after the all-reduce when it was waited.
+                        unsafe { avg.write_to_device(offset, &spans.range(slice.at, len))? };
+                    }
+                    _ => {
+                        let average = landed.values.host_range(offset, len)?;
+                        self.land_on_host(unit, &slice, what, key, offset, landing, &average);
                     }
                 }
                 landed.slices_left -= 1;
                 if landed.slices_left == 0 {
-                    self.landed.remove(&key);
                     self.cuts.remove(&key);
+                } else {
+                    self.landed.insert(key, landed);
                 }
                 if self.rank == 0 {
                     *self
@@ -487,6 +579,38 @@ impl SyncExecutor<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Writes `average` (values `offset..` of collective `key`) into `slice` of `unit` as
+    /// `landing` says, on the host.
+    #[allow(clippy::too_many_arguments)]
+    fn land_on_host(
+        &mut self,
+        unit: &mut dyn UnitMut,
+        slice: &UnitSlice,
+        what: UnitData,
+        key: ReduceKey,
+        offset: usize,
+        landing: Landing,
+        average: &[f32],
+    ) {
+        match landing {
+            Landing::Replace => write_slice(unit, what, slice, average),
+            Landing::Rebase => {
+                let cut = &self.cuts.get(&key).expect("a rebase keeps its cut")
+                    [offset..offset + average.len()];
+                self.scratch.clear();
+                read_slice(unit, what, slice, &mut self.scratch);
+                outer::rebase(average, cut, &mut self.scratch);
+                write_slice(unit, what, slice, &self.scratch);
+            }
+            Landing::Outer { mix } => {
+                self.scratch.clear();
+                read_slice(unit, what, slice, &mut self.scratch);
+                self.outer.land(slice.id, average, &mut self.scratch, mix);
+                write_slice(unit, what, slice, &self.scratch);
+            }
+        }
     }
 
     /// Runs every pending action of `machine` on `replica` (outside backward).
@@ -518,7 +642,7 @@ impl SyncExecutor<'_> {
 fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
     let cfg = &sh.cfg;
     let task = &sh.task;
-    let mut replica = cfg.backend.build_replica(task, cfg.seed, &cfg.optimizer)?;
+    let mut replica = worker_backend(cfg, rank).build_replica(task, cfg.seed, &cfg.optimizer)?;
     if let Some(values) = &cfg.initial_values {
         replica.set_flat_values(values);
     }
@@ -544,6 +668,8 @@ fn run_worker(rank: usize, sh: &Shared) -> Result<WorkerResult, TrainError> {
     let mut exec = SyncExecutor {
         rank,
         collective: sh.collective.as_ref(),
+        device: sh.device.as_deref(),
+        device_staging: BTreeMap::new(),
         unit_names: &unit_names,
         staging: BTreeMap::new(),
         in_flight: BTreeMap::new(),
@@ -652,6 +778,17 @@ fn write_slice(unit: &mut dyn UnitMut, what: UnitData, slice: &UnitSlice, src: &
     write_unit_range(unit, what, slice.at, slice.layer_len, src);
 }
 
+/// `unit`'s runs on `device`'s GPU for `rank`, when it lives there.
+fn device_spans(
+    unit: &dyn UnitMut,
+    what: UnitData,
+    device: &dyn DeviceCollective,
+    rank: usize,
+) -> Option<engine::replica::DeviceSpans> {
+    unit.device_spans(what)
+        .filter(|s| s.device == device.device_of(rank))
+}
+
 fn log_sync(
     units: &[UnitSlice],
     bucket: u32,
@@ -672,21 +809,40 @@ fn log_sync(
     );
 }
 
-/// The NCCL collective over GPUs `0..workers` (feature `nccl`).
+/// A collective and its device path ([`crate::device_sync`]), when it has one.
+type CollectivePair = (Arc<dyn Collective>, Option<Arc<dyn DeviceCollective>>);
+
+/// The NCCL collective over GPUs `0..workers` (feature `nccl`), with its device path.
 #[cfg(feature = "nccl")]
-fn nccl_collective(workers: usize) -> Result<Arc<dyn Collective>, TrainError> {
-    crate::nccl::NcclCollective::new(workers)
-        .map(|c| Arc::new(c) as Arc<dyn Collective>)
-        .map_err(|e| TrainError::Config(format!("--collective nccl: {e}")))
+fn nccl_collective(workers: usize) -> Result<CollectivePair, TrainError> {
+    let nccl = crate::nccl::NcclCollective::new(workers)
+        .map(Arc::new)
+        .map_err(|e| TrainError::Config(format!("--collective nccl: {e}")))?;
+    Ok((nccl.clone(), Some(nccl)))
 }
 
 /// Without feature `nccl` there is no NCCL collective to run.
 #[cfg(not(feature = "nccl"))]
-fn nccl_collective(_workers: usize) -> Result<Arc<dyn Collective>, TrainError> {
+fn nccl_collective(_workers: usize) -> Result<CollectivePair, TrainError> {
     Err(TrainError::Config(format!(
         "--collective nccl: {}",
         crate::gpu_probe::GpuProbeError::NotBuilt
     )))
+}
+
+/// The backend worker `rank` trains on: with the NCCL collective, a CUDA device becomes the
+/// rank's own GPU (`cuda:<rank>`, where NCCL puts the rank), so its units take the device path.
+fn worker_backend(cfg: &TrainConfig, rank: usize) -> Backend {
+    match &cfg.backend {
+        Backend::Tch { device }
+            if cfg.collective == CollectiveChoice::Nccl && device.starts_with("cuda") =>
+        {
+            Backend::Tch {
+                device: format!("cuda:{rank}"),
+            }
+        }
+        other => other.clone(),
+    }
 }
 
 #[cfg(test)]

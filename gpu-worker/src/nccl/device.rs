@@ -232,6 +232,19 @@ impl NcclRank {
         &self.comm_stream
     }
 
+    /// The compute stream: the device's legacy default stream, libtorch's current stream.
+    pub fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.compute
+    }
+
+    /// Makes this rank's context current on the calling thread (raw driver calls need it).
+    ///
+    /// # Errors
+    /// [`NcclError::Cuda`].
+    pub fn bind(&self) -> Result<(), NcclError> {
+        self.ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))
+    }
+
     /// Records an event on the compute stream now (with timing when `timed`).
     ///
     /// # Errors
@@ -271,9 +284,7 @@ impl NcclRank {
         op: ReductionOp,
         timed: bool,
     ) -> Result<PendingDeviceReduce, NcclError> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        self.bind()?;
         let ready = self.mark_compute(false)?;
         self.comm_stream
             .wait(&ready)

@@ -2,8 +2,8 @@
 //! host (the built-in engine, or tch replicas handing units over as host vectors): each
 //! submission is copied to its rank's GPU, all-reduced (`ncclAvg`) in place on the rank's
 //! communication stream, and copied back when the handle is waited on. This is the
-//! host-staged path mixed nodes use; GPU-resident tensors go through
-//! [`super::NcclRank::launch`] without copies.
+//! host-staged path (host-resident workers, and plans whose landing needs host arithmetic);
+//! units whose tensors are on the rank's GPU take the device path of [`super::staged`].
 //!
 //! NCCL matches operations by order, not by key: every rank must submit its buckets in the
 //! same order (the sync machine does: every worker runs the same plan). World `w` puts rank
@@ -64,6 +64,38 @@ impl NcclCollective {
         })
     }
 
+    /// Runs `f` with rank `rank`, joining the communicator on the rank's first use.
+    pub(super) fn with_rank<R>(
+        &self,
+        rank: usize,
+        f: impl FnOnce(&NcclRank) -> Result<R, NcclError>,
+    ) -> Result<R, CollectiveError> {
+        let world = self.ranks.len();
+        let slot = self
+            .ranks
+            .get(rank)
+            .ok_or(CollectiveError::RankOutOfRange { rank, world })?;
+        if let Some(gone) = self.gone() {
+            return Err(gone);
+        }
+        let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+        let nccl = match &mut *guard {
+            Some(joined) => joined,
+            empty => empty.insert(
+                NcclRank::from_rank(rank, rank, world, &self.id).map_err(|e| backend_error(&e))?,
+            ),
+        };
+        f(nccl).map_err(|e| backend_error(&e))
+    }
+
+    /// Counts the ring all-reduce bytes of `values` `f32`s for `rank`.
+    pub(super) fn count_bytes(&self, rank: usize, values: usize) {
+        let bytes = LinkModel::ring_allreduce_bytes_per_rank(values * 4, self.ranks.len());
+        if let Some(b) = self.bytes.get(rank) {
+            b.fetch_add(bytes as u64, Ordering::Relaxed);
+        }
+    }
+
     /// `PeerGone` with the shutdown reason, when the collective was shut down.
     fn gone(&self) -> Option<CollectiveError> {
         let reason = self.shut_down.lock().unwrap_or_else(|p| p.into_inner());
@@ -99,7 +131,7 @@ impl NcclCollective {
     }
 }
 
-fn backend_error(e: &NcclError) -> CollectiveError {
+pub(super) fn backend_error(e: &NcclError) -> CollectiveError {
     CollectiveError::Backend {
         backend: "nccl",
         message: e.to_string(),
@@ -137,24 +169,8 @@ impl Collective for NcclCollective {
         key: ReduceKey,
         data: Vec<f32>,
     ) -> Result<ReduceHandle, CollectiveError> {
-        let world = self.ranks.len();
-        let slot = self
-            .ranks
-            .get(rank)
-            .ok_or(CollectiveError::RankOutOfRange { rank, world })?;
-        if let Some(gone) = self.gone() {
-            return Err(gone);
-        }
-        let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
-        let nccl = match &mut *guard {
-            Some(joined) => joined,
-            empty => empty.insert(
-                NcclRank::from_rank(rank, rank, world, &self.id).map_err(|e| backend_error(&e))?,
-            ),
-        };
-        let pending = self.submit(nccl, &data).map_err(|e| backend_error(&e))?;
-        let bytes = LinkModel::ring_allreduce_bytes_per_rank(data.len() * 4, world);
-        self.bytes[rank].fetch_add(bytes as u64, Ordering::Relaxed);
+        let pending = self.with_rank(rank, |nccl| self.submit(nccl, &data))?;
+        self.count_bytes(rank, data.len());
         Ok(ReduceHandle::new(key, Box::new(pending)))
     }
 

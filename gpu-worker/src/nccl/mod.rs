@@ -1,6 +1,7 @@
 //! The NCCL collective (feature `nccl`): in-place all-reduce of device buffers on a
-//! communication stream ([`device`]), and the [`node::collective::Collective`] backend built on
-//! it for workers whose values live on the host ([`host`]).
+//! communication stream ([`device`]), the [`node::collective::Collective`] backend built on
+//! it for workers whose values live on the host ([`host`]), and the trainer's device path for
+//! units whose tensors live on the rank's GPU ([`staged`]).
 //!
 //! Every cudarc call that can reach a missing library runs after [`crate::gpu_probe`] said
 //! the libraries are there, and inside [`crate::gpu_probe::quiet_catch`] where cudarc could
@@ -9,6 +10,7 @@
 
 pub mod device;
 pub mod host;
+pub mod staged;
 
 use thiserror::Error;
 

@@ -11,7 +11,7 @@
 use std::cell::RefCell;
 
 use engine::optim::OptimizerConfig;
-use engine::replica::{UnitData, UnitMut};
+use engine::replica::{DeviceSpan, DeviceSpans, UnitData, UnitMut};
 use tch::{Device, Kind, TchError, Tensor};
 
 use super::{host_to_device, inplace};
@@ -220,6 +220,35 @@ impl TchUnit {
         Ok(())
     }
 
+    /// The unit's flat vector as runs of device memory, when every tensor it reads is a
+    /// contiguous `f32` CUDA tensor on one device (a synced buffer's gradient slot has no
+    /// memory: it reads as zeros, as [`Self::append`] writes it).
+    pub fn device_spans(&self, what: UnitData) -> Option<DeviceSpans> {
+        let Device::Cuda(device) = self.params.first()?.value.device() else {
+            return None;
+        };
+        let on_device = |t: &Tensor| {
+            (t.device() == Device::Cuda(device) && t.kind() == Kind::Float && t.is_contiguous())
+                .then(|| t.data_ptr() as u64)
+        };
+        let mut spans = Vec::with_capacity(self.params.len() + self.buffers.len());
+        for p in &self.params {
+            let t = p.tensor(what).ok()?;
+            spans.push(DeviceSpan {
+                ptr: Some(on_device(&t)?),
+                len: p.numel,
+            });
+        }
+        for b in self.synced_buffers() {
+            let ptr = match what {
+                UnitData::Grads => None,
+                UnitData::Values => Some(on_device(&b.value)?),
+            };
+            spans.push(DeviceSpan { ptr, len: b.numel });
+        }
+        Some(DeviceSpans { device, spans })
+    }
+
     pub fn zero_grads(&self) -> Result<(), TchError> {
         for p in &self.params {
             inplace(p.grad()?.f_zero_())?;
@@ -262,5 +291,9 @@ impl UnitMut for UnitHandle<'_> {
         if let Err(e) = self.unit.step(lr) {
             self.defer("optimizer step", e);
         }
+    }
+
+    fn device_spans(&self, what: UnitData) -> Option<DeviceSpans> {
+        self.unit.device_spans(what)
     }
 }
