@@ -69,8 +69,12 @@ if [ -z "${LIBTORCH:-}" ] || [ ! -d "$LIBTORCH/lib" ]; then
 fi
 export LIBTORCH
 export LD_LIBRARY_PATH="$LIBTORCH/lib:${LD_LIBRARY_PATH:-}"
-# pip's NCCL (nvidia-nccl-cu1x) beside torch: tell the probe where it is.
-NCCL_DIR=$(find "$LIBTORCH/../nvidia" -name 'libnccl.so*' 2>/dev/null | head -1 | xargs -r dirname)
+# pip's NCCL (nvidia-nccl-cu1x) beside torch: tell the probe where it is. The binary itself
+# uses the NCCL libtorch loaded when there is one (two NCCLs in a process break each other);
+# every copy found is listed in $OUT/nccl-libs.txt.
+find "$LIBTORCH/.." /usr/lib /usr/local -name 'libnccl.so*' 2>/dev/null | xargs -r ls -lL > "$OUT/nccl-libs.txt" 2>&1
+NCCL_DIR=$LIBTORCH/../nvidia/nccl/lib
+[ -d "$NCCL_DIR" ] || NCCL_DIR=$(find "$LIBTORCH/../nvidia" -name 'libnccl.so*' 2>/dev/null | head -1 | xargs -r dirname)
 [ -n "$NCCL_DIR" ] && [ -z "${DREAMDDP_NCCL_LIB:-}" ] && export DREAMDDP_NCCL_LIB=$NCCL_DIR
 row libtorch ok "$LIBTORCH"
 if [ -z "${DREAMDDP_BIN:-}" ]; then
@@ -122,7 +126,7 @@ nccl_train() { # tag model strategy steps collective [env...]
     return 1
 }
 if [ "$GPUS" -gt 0 ]; then
-    for run in "mlp ssgd $STEPS" "mlp wfbp $STEPS" "mlp localsgd $STEPS" "mlp dreamddp $STEPS" "resnet20 dreamddp $((STEPS / 3))"; do
+    for run in "mlp ssgd $STEPS" "mlp wfbp $STEPS" "mlp localsgd $STEPS" "mlp dreamddp $STEPS" "resnet20 ssgd $((STEPS / 3))" "resnet20 dreamddp $((STEPS / 3))"; do
         set -- $run; model=$1; s=$2; steps=$3
         ok=1
         nccl_train "nccl-$model-$s" "$model" "$s" "$steps" nccl || ok=0
@@ -136,6 +140,14 @@ if [ "$GPUS" -gt 0 ]; then
                 "$(grep -m1 -i error "$OUT/nccl-$model-$s.log" | cut -c1-200); NCCL: $(grep -m1 'NCCL WARN' "$OUT/nccl-$model-$s.log" "$OUT/nccl-$model-$s-info.log" | cut -c1-200)"
         fi
     done
+    # cuDNN's convolution kernels are not deterministic: the same resnet20 run again, on both
+    # collectives, shows how far two runs of one configuration land apart.
+    steps=$((STEPS / 3))
+    nccl_train nccl-resnet20-dreamddp-again resnet20 dreamddp "$steps" nccl &&
+        nccl_train cpucoll-resnet20-dreamddp-again resnet20 dreamddp "$steps" cpu &&
+        row "run to run (resnet20 dreamddp)" \
+            "nccl $(metric "$OUT/nccl-resnet20-dreamddp.json") / $(metric "$OUT/nccl-resnet20-dreamddp-again.json") %, cpu collective $(metric "$OUT/cpucoll-resnet20-dreamddp.json") / $(metric "$OUT/cpucoll-resnet20-dreamddp-again.json") %" \
+            "two runs of each, same seed, $steps steps"
     for s in dreamddp ssgd; do
         nccl_train "nccl-host-mlp-$s" mlp "$s" "$STEPS" nccl DREAMDDP_NCCL_STAGING=host &&
             row "train --collective nccl $s (mlp), host-staged" "$(metric "$OUT/nccl-host-mlp-$s.json") %" \

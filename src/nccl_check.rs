@@ -121,8 +121,8 @@ mod imp {
     use anyhow::{anyhow, Context};
     use engine::optim::OptimizerConfig;
     use engine::replica::ModelReplica;
-    use engine::tensor::Tensor as HostTensor;
     use engine::replica::{DeviceSpan, DeviceSpans};
+    use engine::tensor::Tensor as HostTensor;
     use gpu_worker::device_sync::{DeviceCollective, StagedPiece};
     use gpu_worker::nccl::{DeviceBuffer, NcclCollective, NcclRank, ReductionOp};
     use node::collective::{Collective, ReduceKey};
@@ -247,7 +247,10 @@ mod imp {
                     ptr: Some(a.data_ptr() as u64),
                     len: len / 2,
                 },
-                DeviceSpan { ptr: None, len: GAP },
+                DeviceSpan {
+                    ptr: None,
+                    len: GAP,
+                },
                 DeviceSpan {
                     ptr: Some(b.data_ptr() as u64),
                     len: len - len / 2,
@@ -279,7 +282,9 @@ mod imp {
                         let a2 = cuda(&vec![0.0; len / 2])?;
                         let b2 = cuda(&vec![0.0; len - len / 2])?;
                         // SAFETY: as above, for the fresh tensors.
-                        unsafe { landing.write_to_device(0, &spans(&a2, &b2).range(0, len + GAP)) }?;
+                        unsafe {
+                            landing.write_to_device(0, &spans(&a2, &b2).range(0, len + GAP))
+                        }?;
                         let host_part = landing.read_to_host(len + GAP, HOST)?;
                         let back = |t: &Tensor| {
                             t.f_to_device(Device::Cpu)

@@ -194,6 +194,12 @@ fn resolve_collective(
 /// [`probe_nccl`], restarting this process once with the NCCL folder on `LD_LIBRARY_PATH` when
 /// NCCL was found only where the dynamic loader does not look (pip's `libnccl.so.2`).
 pub(crate) fn probe_restarting() -> std::result::Result<NcclInfo, GpuProbeError> {
+    // libtorch's CUDA library maps the NCCL it links; the probe must see it to pick the same
+    // one (two NCCLs in one process break each other's communicators). Without a CUDA torch
+    // there is nothing to load and the probe searches as usual.
+    if let Err(e) = tch_backend::load_torch_cuda() {
+        tracing::debug!("no libtorch CUDA library loaded before the NCCL probe: {e}");
+    }
     match probe_nccl() {
         Err(GpuProbeError::NcclNotOnLoaderPath { library, dir })
             if std::env::var_os(gpu_probe::REEXEC_ENV).is_none() =>

@@ -11,7 +11,9 @@
 //! folder (`~/.cache/dreamddp/nccl-lib`). The dynamic loader reads `LD_LIBRARY_PATH` only when
 //! a process starts, so that folder must be on it from the start:
 //! [`GpuProbeError::NcclNotOnLoaderPath`] says so, and [`reexec_with_loader_path`] restarts the
-//! current command with it prepended.
+//! current command with it prepended. When the process already has an NCCL mapped (libtorch's
+//! CUDA library links one), that file is the one linked and opened ([`loaded_nccl`]): a second
+//! NCCL in the same process breaks the communicators of both.
 //!
 //! Built without the `nccl` feature, [`probe_nccl`] returns [`GpuProbeError::NotBuilt`].
 
@@ -106,6 +108,86 @@ pub struct NcclLib {
     /// A folder holding a `libnccl.so` that opens `library` (its own folder, or the private
     /// symlink folder when only `libnccl.so.2` exists).
     pub loader_dir: PathBuf,
+}
+
+/// The NCCL library this process already has mapped (libtorch's CUDA library links one), read
+/// from `/proc/self/maps`. NCCL must be that one: two NCCL copies in one process interpose
+/// each other's exported calls (an all-reduce entering one copy checks the communicator with
+/// the other's struct layout and fails with "corrupted comm object detected").
+///
+/// # Errors
+/// [`GpuProbeError::NcclFailed`] when two different NCCL files are mapped already.
+pub fn loaded_nccl() -> Result<Option<PathBuf>, GpuProbeError> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut files: Vec<PathBuf> = loaded_nccls_in(&maps)
+        .into_iter()
+        .map(|p| p.canonicalize().unwrap_or(p))
+        .collect();
+    files.dedup();
+    match files.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some(one.clone())),
+        several => Err(GpuProbeError::NcclFailed(format!(
+            "this process has two NCCL libraries loaded ({}); they break each other's \
+             communicators: keep one (the one libtorch links) on LD_LIBRARY_PATH",
+            show_paths(several)
+        ))),
+    }
+}
+
+/// The NCCL files mapped in the text of a `/proc/<pid>/maps` file, in order, each once.
+pub fn loaded_nccls_in(maps: &str) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = Vec::new();
+    for p in maps
+        .lines()
+        .filter_map(|l| l.find('/').map(|i| Path::new(l[i..].trim_end())))
+    {
+        let nccl = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("libnccl.so"));
+        if nccl && !out.iter().any(|o| o == p) {
+            out.push(p.to_path_buf());
+        }
+    }
+    out
+}
+
+/// The file the dynamic loader opens for `libnccl.so` from `LD_LIBRARY_PATH` (the first
+/// folder holding one), resolved; `None` when no folder there has one.
+fn nccl_on_loader_path() -> Option<PathBuf> {
+    let v = std::env::var_os("LD_LIBRARY_PATH")?;
+    std::env::split_paths(&v)
+        .map(|d| d.join("libnccl.so"))
+        .find(|p| p.is_file())
+        .and_then(|p| p.canonicalize().ok())
+}
+
+/// How `library` can be opened as `libnccl.so`: its own folder when that is its name,
+/// otherwise a link in `link_dir`.
+fn nccl_lib_for(library: &Path, link_dir: Option<&Path>) -> Result<NcclLib, GpuProbeError> {
+    if library.file_name().is_some_and(|n| n == "libnccl.so") {
+        if let Some(dir) = library.parent() {
+            return Ok(NcclLib {
+                library: library.to_path_buf(),
+                loader_dir: dir.to_path_buf(),
+            });
+        }
+    }
+    let link_dir = link_dir.ok_or_else(|| {
+        GpuProbeError::NcclFailed("no HOME for the libnccl.so link folder".into())
+    })?;
+    link_nccl(library, link_dir).map_err(|e| {
+        GpuProbeError::NcclFailed(format!(
+            "cannot link {}/libnccl.so to {}: {e}",
+            link_dir.display(),
+            library.display()
+        ))
+    })?;
+    Ok(NcclLib {
+        library: library.to_path_buf(),
+        loader_dir: link_dir.to_path_buf(),
+    })
 }
 
 /// The private folder for the `libnccl.so` symlink.
@@ -243,11 +325,14 @@ pub fn reexec_with_loader_path(dir: &Path) -> std::io::Error {
         .exec()
 }
 
+/// Held while the process-wide panic hook is swapped ([`quiet_catch`]; tests that install
+/// their own hook).
+static HOOK_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Runs `f` with the panic hook silenced and turns a panic into
 /// [`GpuProbeError::ProbePanicked`]. Probes are serialized (the hook is process-wide).
 pub fn quiet_catch<T>(f: impl FnOnce() -> T) -> Result<T, GpuProbeError> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let _guard = HOOK_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
@@ -295,6 +380,20 @@ fn probe_nccl_inner() -> Result<NcclInfo, GpuProbeError> {
         .map_err(|e| GpuProbeError::NoCudaDriver(format!("cuDeviceGetCount failed: {e:?}")))?;
     if devices <= 0 {
         return Err(GpuProbeError::NoGpu("cuDeviceGetCount = 0".into()));
+    }
+    // One NCCL per process: when one is already mapped (libtorch's), cudarc must open that
+    // file, so `libnccl.so` on the loader path must be it (else restart with a link to it).
+    if let Some(loaded) = loaded_nccl()? {
+        let same = nccl_on_loader_path()
+            .zip(loaded.canonicalize().ok())
+            .is_some_and(|(on_path, loaded)| on_path == loaded);
+        if !same {
+            let lib = nccl_lib_for(&loaded, nccl_link_dir().as_deref())?;
+            return Err(GpuProbeError::NcclNotOnLoaderPath {
+                library: lib.library,
+                dir: lib.loader_dir,
+            });
+        }
     }
     // SAFETY: only tries to open the library by cudarc's names.
     if !unsafe { cudarc::nccl::sys::is_culib_present() } {
@@ -360,11 +459,6 @@ impl std::fmt::Display for CollectiveChoice {
 /// Whether this build has the NCCL all-reduce (feature `nccl`).
 pub const NCCL_COLLECTIVE_IMPLEMENTED: bool = cfg!(feature = "nccl");
 
-/// Whether `auto` may pick NCCL. Not yet: `nccl-check` passed on an H200, but the trainer's
-/// NCCL path failed there once and its fix has not run on a GPU (docs/gpu.md), so `auto`
-/// keeps the CPU collective and says NCCL is there; `--collective nccl` asks for it.
-pub const AUTO_PICKS_NCCL: bool = false;
-
 /// Why `--collective` could not be honored.
 #[derive(Debug, Error)]
 pub enum CollectiveSelectError {
@@ -385,9 +479,8 @@ pub enum CollectiveSelectError {
 }
 
 /// Resolves `request` for a run of `ranks` workers whose backend device is `cuda` (true for
-/// `--device cuda…`), with `probe` standing in for [`probe_nccl`]. `auto` would pick NCCL when
-/// the device is CUDA, NCCL works and there is a GPU per worker ([`AUTO_PICKS_NCCL`]), and
-/// otherwise the CPU collective, with a `[WARN]` when GPUs were asked for and NCCL is unusable.
+/// `--device cuda…`), with `probe` standing in for [`probe_nccl`]. `auto` picks NCCL when the
+/// device is CUDA, NCCL works and there is a GPU per worker, and otherwise the CPU collective, with a `[WARN]` when GPUs were asked for and NCCL is unusable.
 pub fn select_collective(
     request: CollectiveRequest,
     cuda: bool,
@@ -413,16 +506,12 @@ pub fn select_collective(
         CollectiveRequest::Auto if !cuda => Ok(CollectiveChoice::Cpu),
         CollectiveRequest::Auto => match probe() {
             Ok(info) if NCCL_COLLECTIVE_IMPLEMENTED && ranks <= info.devices => {
-                if AUTO_PICKS_NCCL {
-                    return Ok(CollectiveChoice::Nccl);
-                }
                 tracing::info!(
-                    "NCCL {} works with {} GPU(s); auto keeps the CPU collective until the \
-                     trainer's NCCL path is verified on a GPU: pass --collective nccl to use it",
+                    "NCCL {} with {} GPU(s): auto picks the NCCL collective",
                     info.version_string(),
                     info.devices
                 );
-                Ok(CollectiveChoice::Cpu)
+                Ok(CollectiveChoice::Nccl)
             }
             Ok(info) => {
                 tracing::warn!(
@@ -448,6 +537,56 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_nccl_a_process_has_mapped_is_found_in_its_maps() {
+        let maps = "\
+7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f20-7f30 r--p 00000000 08:01 2 /venv/site-packages/nvidia/nccl/lib/libnccl.so.2
+7f40-7f50 rw-p 00000000 00:00 0 [heap]
+7f60-7f70 r-xp 00000000 08:01 3 /opt/my libs/libnccl.so
+";
+        assert_eq!(
+            loaded_nccls_in(maps),
+            vec![
+                PathBuf::from("/venv/site-packages/nvidia/nccl/lib/libnccl.so.2"),
+                PathBuf::from("/opt/my libs/libnccl.so")
+            ]
+        );
+        assert_eq!(
+            loaded_nccls_in(
+                "7f60-7f70 r-xp 0 08:01 3 /a/libnccl.so\n7f70-7f80 r--p 0 08:01 3 /a/libnccl.so\n"
+            ),
+            vec![PathBuf::from("/a/libnccl.so")]
+        );
+        assert!(loaded_nccls_in("7f40-7f50 rw-p 00000000 00:00 0 [heap]\n").is_empty());
+        // This test process links no NCCL.
+        assert_eq!(loaded_nccl(), Ok(None));
+    }
+
+    #[test]
+    fn a_loaded_nccl_is_opened_through_its_own_folder_or_a_link() {
+        let dir = std::env::temp_dir().join(format!("ddp-loaded-nccl-{}", std::process::id()));
+        let libs = dir.join("lib");
+        std::fs::create_dir_all(&libs).unwrap();
+        let versioned = libs.join("libnccl.so.2");
+        std::fs::write(&versioned, b"not really a library").unwrap();
+        let link_dir = dir.join("link");
+        let lib = nccl_lib_for(&versioned, Some(&link_dir)).unwrap();
+        assert_eq!(lib.loader_dir, link_dir);
+        assert_eq!(
+            link_dir.join("libnccl.so").canonicalize().unwrap(),
+            versioned.canonicalize().unwrap()
+        );
+        let plain = libs.join("libnccl.so");
+        std::fs::write(&plain, b"x").unwrap();
+        assert_eq!(nccl_lib_for(&plain, None).unwrap().loader_dir, libs);
+        assert!(matches!(
+            nccl_lib_for(&versioned, None),
+            Err(GpuProbeError::NcclFailed(_))
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn probe_errors_without_panicking_or_printing() {
         // Installs a hook that records any call: the probe must not reach it.
         static CALLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -463,21 +602,30 @@ mod tests {
         } else {
             assert_eq!(err, GpuProbeError::NotBuilt);
         }
-        // The probe restores the hook: a panic after it reaches ours.
-        let previous = std::panic::take_hook();
+        // The probe restores the hook: a panic after it reaches ours. The hook is swapped
+        // under the probes' lock, so no probe of a concurrent test is midway through its own
+        // swap (it would restore the hook it took, not ours).
         let me = std::thread::current().id();
-        std::panic::set_hook(Box::new(move |_| {
-            if std::thread::current().id() == me {
-                CALLED.store(true, std::sync::atomic::Ordering::SeqCst);
-            }
-        }));
+        let previous = {
+            let _guard = HOOK_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+            let previous = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |_| {
+                if std::thread::current().id() == me {
+                    CALLED.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+            }));
+            previous
+        };
         let _ = probe_nccl();
         assert!(
             !CALLED.load(std::sync::atomic::Ordering::SeqCst),
             "the probe reached the hook"
         );
-        let _ = std::panic::catch_unwind(|| panic!("after"));
-        std::panic::set_hook(previous);
+        {
+            let _guard = HOOK_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = std::panic::catch_unwind(|| panic!("after"));
+            std::panic::set_hook(previous);
+        }
         assert!(
             CALLED.load(std::sync::atomic::Ordering::SeqCst),
             "hook not restored"
@@ -605,8 +753,8 @@ mod tests {
             let e = select_collective(CollectiveRequest::Nccl, true, 2, ok).unwrap_err();
             assert!(e.to_string().contains("--features nccl"), "{e}");
         }
-        // auto takes NCCL only with a GPU per worker (and not before it is verified).
-        let with_gpu_per_worker = if AUTO_PICKS_NCCL && NCCL_COLLECTIVE_IMPLEMENTED {
+        // auto takes NCCL only with a GPU per worker.
+        let with_gpu_per_worker = if NCCL_COLLECTIVE_IMPLEMENTED {
             CollectiveChoice::Nccl
         } else {
             CollectiveChoice::Cpu

@@ -472,7 +472,10 @@ impl SyncExecutor<'_> {
             } => {
                 let launched = Instant::now();
                 let handle = if let Some(device) = self.device {
-                    debug_assert!(!landing.needs_cut(), "device path plans land by replacement");
+                    debug_assert!(
+                        !landing.needs_cut(),
+                        "device path plans land by replacement"
+                    );
                     let pieces = self.device_staging.remove(&key).unwrap_or_default();
                     // SAFETY: the runs were taken from the units' tensors on this rank's GPU
                     // when they were staged, in this backward (or right after it); the sync

@@ -152,12 +152,14 @@ mod torch;
 #[cfg(feature = "tch")]
 pub use tch;
 #[cfg(feature = "tch")]
-pub use torch::{check_device, measure_backward, measure_backward_on, parse_device, TchReplica};
+pub use torch::{
+    check_device, load_torch_cuda, measure_backward, measure_backward_on, parse_device, TchReplica,
+};
 
 #[cfg(not(feature = "tch"))]
 mod stub;
 #[cfg(not(feature = "tch"))]
-pub use stub::{check_device, measure_backward, measure_backward_on, TchReplica};
+pub use stub::{check_device, load_torch_cuda, measure_backward, measure_backward_on, TchReplica};
 
 #[cfg(all(test, feature = "tch"))]
 mod tests;

@@ -129,6 +129,14 @@ impl ModelReplica for TchReplica {
     }
 }
 
+/// Nothing to load in this build: an error saying so.
+///
+/// # Errors
+/// Always.
+pub fn load_torch_cuda() -> Result<(), String> {
+    Err(TchBackendError::NotBuilt.to_string())
+}
+
 /// Always [`TchBackendError::NotBuilt`] in this build.
 ///
 /// # Errors

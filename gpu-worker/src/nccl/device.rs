@@ -242,7 +242,9 @@ impl NcclRank {
     /// # Errors
     /// [`NcclError::Cuda`].
     pub fn bind(&self) -> Result<(), NcclError> {
-        self.ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))
     }
 
     /// Records an event on the compute stream now (with timing when `timed`).

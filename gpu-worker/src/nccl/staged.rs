@@ -131,9 +131,7 @@ impl StagedLanding {
 
 impl DeviceLanding for StagedLanding {
     fn order_compute(&self) -> Result<(), CollectiveError> {
-        self.pending
-            .order_compute()
-            .map_err(|e| backend_error(&e))
+        self.pending.order_compute().map_err(|e| backend_error(&e))
     }
 
     unsafe fn write_to_device(

@@ -50,8 +50,13 @@ pub fn parse_device(s: &str) -> Result<Device, TchBackendError> {
 
 /// The linker drops `libtorch_cuda.so` (`--as-needed`: no symbol of it is referenced), and
 /// without it libtorch has no CUDA backend. Loading it at run time (once, `RTLD_GLOBAL`)
-/// registers the backend in every binary, whatever its link flags.
-fn load_torch_cuda() -> Result<(), String> {
+/// registers the backend in every binary, whatever its link flags. It also maps the NCCL
+/// libtorch links, which the NCCL probe must find before it picks a library (one NCCL per
+/// process): callers about to probe NCCL load it first.
+///
+/// # Errors
+/// The loader's message for every name tried (a CPU-only torch has no `libtorch_cuda.so`).
+pub fn load_torch_cuda() -> Result<(), String> {
     use std::ffi::{c_char, c_int, c_void, CStr, CString};
     use std::sync::OnceLock;
 

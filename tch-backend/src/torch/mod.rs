@@ -27,7 +27,7 @@ use tch::{Device, TchError, Tensor};
 
 use crate::TchBackendError;
 
-pub use device::{check_device, parse_device};
+pub use device::{check_device, load_torch_cuda, parse_device};
 pub use measure::{measure_backward, measure_backward_on};
 pub use replica::TchReplica;
 
