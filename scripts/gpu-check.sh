@@ -104,8 +104,8 @@ if "$BIN" nccl-check --out "$OUT/nccl-check.json" > "$OUT/nccl-check.log" 2>&1; 
 import json, sys
 d = json.load(open(sys.argv[1]))
 for r in d["overlap"]:
-    print("overlap %s\t%.1f %% hidden\t%d/%d all-reduces started before backward ended; compute %.3f ms, all-reduce %.3f ms/step; step %.3f ms with NCCL vs %.3f without" % (
-        r["model"], 100 * r["hidden_share"], r["started_before_backward_end"], r["all_reduces"],
+    print("overlap %s\t%.1f %% hidden behind compute\t%.1f %% behind the same backward; %d/%d all-reduces started before backward ended; compute %.3f ms, all-reduce %.3f ms/step; step %.3f ms with NCCL vs %.3f without" % (
+        r["model"], 100 * r["hidden_share"], 100 * r["hidden_in_backward_share"], r["started_before_backward_end"], r["all_reduces"],
         r["compute_ms"], r["comm_ms"], r["step_ms_with_nccl"], r["step_ms_without"]))
 PY
 else
@@ -148,6 +148,16 @@ if [ "$GPUS" -gt 0 ]; then
         row "run to run (resnet20 dreamddp)" \
             "nccl $(metric "$OUT/nccl-resnet20-dreamddp.json") / $(metric "$OUT/nccl-resnet20-dreamddp-again.json") %, cpu collective $(metric "$OUT/cpucoll-resnet20-dreamddp.json") / $(metric "$OUT/cpucoll-resnet20-dreamddp-again.json") %" \
             "two runs of each, same seed, $steps steps"
+    # A mixed node: worker 0 on the GPU, worker 1 on CPU threads (--device cuda:0,cpu), the
+    # CPU collective between them, beside both workers on the GPU.
+    for devices in cuda:0,cpu "$DEVICE"; do
+        tag=mixed-${devices//[:,]/}
+        "$BIN" train --quiet --workers 2 --backend tch --device "$devices" --model mlp --dataset "$DATASET" \
+            --strategy dreamddp --steps "$STEPS" --eval-every 0 --out "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1 &&
+            row "train --device $devices --workers 2 (mlp dreamddp)" "$(metric "$OUT/$tag.json") %" \
+                "step $(step_ms "$OUT/$tag.json") ms; collective: $(grep -o 'collective: [a-z]*' "$OUT/$tag.log" | head -1)" ||
+            row "train --device $devices --workers 2 (mlp dreamddp)" failed "$(grep -m1 -i error "$OUT/$tag.log" | cut -c1-200)"
+    done
     for s in dreamddp ssgd; do
         nccl_train "nccl-host-mlp-$s" mlp "$s" "$STEPS" nccl DREAMDDP_NCCL_STAGING=host &&
             row "train --collective nccl $s (mlp), host-staged" "$(metric "$OUT/nccl-host-mlp-$s.json") %" \

@@ -180,11 +180,13 @@ pub struct TrainArgs {
     /// build with `--features tch`).
     #[arg(long)]
     pub backend: Option<String>,
-    /// Device of the tch backend: `cpu` or `cuda:N`.
+    /// Device of the tch backend: `cpu` or `cuda:N`, or a list for a mixed node
+    /// (`cuda:0,cpu`: worker r trains on entry r mod n).
     #[arg(long)]
     pub device: Option<String>,
     /// Intra-node all-reduce: `cpu` (threads over host memory), `nccl` (GPUs; stops when
-    /// NCCL is unusable) or `auto` (NCCL for `--device cuda:N` when it works, else cpu).
+    /// NCCL is unusable) or `auto` (NCCL for `--device cuda:N` when it works, else cpu; cpu
+    /// for a mixed device list).
     #[arg(long, value_parser = ["cpu", "nccl", "auto"])]
     pub collective: Option<String>,
     /// Start from this checkpoint (safetensors with PyTorch names, e.g. from `--save`).

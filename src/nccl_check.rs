@@ -8,14 +8,18 @@
 //!    trainer's two paths through [`NcclCollective`] are checked the same way: host-staged
 //!    vectors, and the device path (buckets built in GPU memory from tensors, a slot with no
 //!    memory and host values, landed back into tensors).
-//! 2. **Overlap.** A libtorch replica (`mlp`, `resnet20`) on `cuda:0` runs the staged backward;
-//!    the moment a unit is handed over it takes its optimizer step and its parameters are
-//!    all-reduced (AVG, as `dreamddp` does) on the communication stream after an event on the
-//!    compute stream; the next step's compute waits on each unit's event. CUDA events give,
-//!    per step, when each unit's all-reduce started and ended against when backward ended:
-//!    the share of communication time hidden behind backward, and how many all-reduces
-//!    started before backward ended. Every unit is synced every step (H = 1, the most
-//!    communication); with one GPU NCCL's all-reduce is a local pass over the buffer.
+//! 2. **Overlap.** A libtorch replica (`mlp`, `resnet20`) on `cuda:0` runs the staged backward
+//!    and syncs its units as the trainer's device path runs `dreamddp` with every unit due
+//!    every step (H = 1, the most communication): at a unit's hand-over the bucket launched
+//!    one step earlier is landed (the compute stream waits on it, the average is copied back),
+//!    the unit takes its optimizer step, its parameters are copied into its bucket and the
+//!    bucket's all-reduce (AVG) starts on the communication stream after an event on the
+//!    compute stream. The next forward reads the unit's own values meanwhile. CUDA events
+//!    give when each all-reduce started and ended against when the compute stream needed it
+//!    (the unit's next optimizer step) and when its step's backward ended: the share of
+//!    communication time hidden behind compute, the share hidden behind the same backward,
+//!    and how many all-reduces started before backward ended. With one GPU NCCL's
+//!    all-reduce is a local pass over the buffer.
 //!
 //! Writes one JSON report (`--out`) and prints a summary.
 
@@ -71,8 +75,11 @@ pub struct OverlapRow {
     pub compute_ms: f64,
     /// Mean summed all-reduce time per step, ms.
     pub comm_ms: f64,
-    /// Share of all-reduce time that ran before backward ended.
+    /// Share of all-reduce time that ran while the compute stream still had work before it
+    /// needed the result (the unit's next optimizer step): hidden behind compute.
     pub hidden_share: f64,
+    /// Share of all-reduce time that ran before the launching step's backward ended.
+    pub hidden_in_backward_share: f64,
     /// All-reduces that started before backward ended, over all measured steps.
     pub started_before_backward_end: usize,
     /// All-reduces measured.
@@ -378,6 +385,20 @@ mod imp {
         })
     }
 
+    /// Copies `len` f32s from `src` to `dst` on `rank`'s compute stream.
+    fn copy_on_compute(rank: &NcclRank, dst: u64, src: u64, len: usize) -> Result<()> {
+        // SAFETY: both are device memory of the rank's GPU holding `len` f32s (the unit
+        // tensors of the replica and the bucket tensors, alive for the whole measurement).
+        Ok(unsafe { rank.copy_on_compute(dst, src, len) }?)
+    }
+
+    /// One unit's bucket in flight: its launch and when its step's backward ended (ms after
+    /// the base event).
+    struct InFlightUnit {
+        pending: gpu_worker::nccl::PendingDeviceReduce,
+        backward_end_ms: f64,
+    }
+
     fn overlap(model: &str, steps: usize, batch: usize) -> Result<OverlapRow> {
         let (mut replica, sample_shape) = replica(model)?;
         let mut rng = ChaCha8Rng::seed_from_u64(7);
@@ -390,7 +411,7 @@ mod imp {
                 .collect(),
         );
         let targets: Vec<usize> = (0..batch).map(|_| rng.random_range(0..10)).collect();
-        let buffers: Vec<Vec<DeviceBuffer>> = (0..replica.layer_names().len())
+        let tensors: Vec<Vec<DeviceBuffer>> = (0..replica.layer_names().len())
             .map(|i| {
                 replica
                     .unit_value_buffers(i)
@@ -399,8 +420,18 @@ mod imp {
                     .collect()
             })
             .collect();
-        let params: usize = buffers.iter().flatten().map(|b| b.len).sum();
-        let units = buffers.iter().filter(|b| !b.is_empty()).count();
+        // One bucket per unit, as the trainer's device path builds it (a copy of the unit's
+        // parameters: the next forward reads the unit's own values meanwhile).
+        let buckets: Vec<Tensor> = tensors
+            .iter()
+            .map(|t| {
+                let n: usize = t.iter().map(|b| b.len).sum();
+                Tensor::f_zeros([n as i64], (tch_backend::tch::Kind::Float, Device::Cuda(0)))
+                    .map_err(|e| anyhow!("bucket: {e}"))
+            })
+            .collect::<Result<_>>()?;
+        let params: usize = tensors.iter().flatten().map(|b| b.len).sum();
+        let units = tensors.iter().filter(|b| !b.is_empty()).count();
         let rank = NcclRank::init_all(&[0])?.pop().context("one rank")?;
         let lr = 0.01;
         let mut row = OverlapRow {
@@ -410,12 +441,16 @@ mod imp {
             compute_ms: 0.0,
             comm_ms: 0.0,
             hidden_share: 0.0,
+            hidden_in_backward_share: 0.0,
             started_before_backward_end: 0,
             all_reduces: 0,
             step_ms_with_nccl: 0.0,
             step_ms_without: 0.0,
         };
-        let (mut hidden, mut comm, mut compute) = (0.0f64, 0.0f64, 0.0f64);
+        let (mut hidden, mut hidden_in_backward, mut comm, mut compute) =
+            (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+        let base = rank.mark_compute(true)?;
+        let mut in_flight: Vec<Option<InFlightUnit>> = (0..tensors.len()).map(|_| None).collect();
         for step in 0..(5 + steps) {
             let measured = step >= 5;
             // Without NCCL: the same step, interleaved.
@@ -423,61 +458,112 @@ mod imp {
             replica.forward_backward(&input, &targets, &mut |_, u| u.step(lr))?;
             replica.synchronize_device();
             let without = t0.elapsed().as_secs_f64() * 1e3;
-            // With NCCL.
+            // With NCCL, as the trainer runs dreamddp with every unit due every step: at a
+            // unit's hand-over, land its bucket from the previous step (the compute stream
+            // waits on it, the average is copied back), step it, copy it into its bucket and
+            // launch the bucket's all-reduce.
             let t0 = Instant::now();
-            let base = rank.mark_compute(true)?;
-            let mut pending = Vec::new();
+            let step_start = rank.mark_compute(true)?;
+            let mut launched = Vec::new();
+            let mut landed = Vec::new();
             let mut last_ready = None;
-            let mut failure = None;
+            let mut failure: Option<anyhow::Error> = None;
             replica.forward_backward(&input, &targets, &mut |i, u| {
-                u.step(lr);
-                if failure.is_some() {
+                if failure.is_some() || tensors[i].is_empty() {
+                    u.step(lr);
                     return;
                 }
-                let launched = rank.mark_compute(true).and_then(|ready| {
-                    last_ready = Some(ready);
-                    // SAFETY: the unit's value tensors live in `replica`, which outlives the
-                    // wait below; nothing else writes them until the compute stream waited.
-                    unsafe { rank.launch(&buffers[i], ReductionOp::Avg, true) }
-                });
-                match launched {
-                    Ok(p) => pending.push(p),
-                    Err(e) => failure = Some(e),
+                let r = (|| -> Result<()> {
+                    if let Some(prev) = in_flight[i].take() {
+                        let needed = rank.mark_compute(true)?;
+                        prev.pending.order_compute()?;
+                        let mut at = 0u64;
+                        for t in &tensors[i] {
+                            copy_on_compute(
+                                &rank,
+                                t.ptr,
+                                buckets[i].data_ptr() as u64 + at,
+                                t.len,
+                            )?;
+                            at += (t.len * 4) as u64;
+                        }
+                        landed.push((prev, needed));
+                    }
+                    u.step(lr);
+                    let mut at = 0u64;
+                    for t in &tensors[i] {
+                        copy_on_compute(&rank, buckets[i].data_ptr() as u64 + at, t.ptr, t.len)?;
+                        at += (t.len * 4) as u64;
+                    }
+                    let bucket = [DeviceBuffer {
+                        ptr: buckets[i].data_ptr() as u64,
+                        len: tensors[i].iter().map(|t| t.len).sum(),
+                    }];
+                    last_ready = Some(rank.mark_compute(true)?);
+                    // SAFETY: the bucket tensor lives until the end of this function, after
+                    // every all-reduce was waited on; it is touched only by these copies,
+                    // ordered by the launch's events.
+                    launched.push((i, unsafe { rank.launch(&bucket, ReductionOp::Avg, true) }?));
+                    Ok(())
+                })();
+                if let Err(e) = r {
+                    failure = Some(e);
                 }
             })?;
             if let Some(e) = failure {
-                return Err(e.into());
+                return Err(e);
             }
-            for p in &pending {
-                p.order_compute()?;
-            }
+            let backward_end = last_ready.context("no unit was handed over")?;
             replica.synchronize_device();
             let with = t0.elapsed().as_secs_f64() * 1e3;
-            if !measured {
-                continue;
-            }
-            let ready = last_ready.context("no unit was handed over")?;
-            let bw_end = f64::from(
-                base.elapsed_ms(&ready)
-                    .map_err(|e| anyhow!("event: {e:?}"))?,
-            );
-            compute += bw_end;
-            for p in &pending {
-                let t = p.timing(&base)?.context("timed launch")?;
+            for (f, needed) in landed.into_iter().filter(|_| measured) {
+                let t = f.pending.timing(&base)?.context("timed launch")?;
+                let need = f64::from(
+                    base.elapsed_ms(&needed)
+                        .map_err(|e| anyhow!("event: {e:?}"))?,
+                );
                 let dur = (t.end_ms - t.start_ms).max(0.0);
                 comm += dur;
-                hidden += (bw_end.min(t.end_ms) - t.start_ms).clamp(0.0, dur);
+                hidden += (need.min(t.end_ms) - t.start_ms).clamp(0.0, dur);
+                hidden_in_backward +=
+                    (f.backward_end_ms.min(t.end_ms) - t.start_ms).clamp(0.0, dur);
                 row.all_reduces += 1;
-                if t.start_ms < bw_end {
+                if t.start_ms < f.backward_end_ms {
                     row.started_before_backward_end += 1;
                 }
             }
-            row.step_ms_with_nccl += with / steps as f64;
-            row.step_ms_without += without / steps as f64;
+            if measured {
+                compute += f64::from(
+                    step_start
+                        .elapsed_ms(&backward_end)
+                        .map_err(|e| anyhow!("event: {e:?}"))?,
+                );
+                row.step_ms_with_nccl += with / steps as f64;
+                row.step_ms_without += without / steps as f64;
+            }
+            let backward_end_ms = f64::from(
+                base.elapsed_ms(&backward_end)
+                    .map_err(|e| anyhow!("event: {e:?}"))?,
+            );
+            for (i, pending) in launched {
+                in_flight[i] = Some(InFlightUnit {
+                    pending,
+                    backward_end_ms,
+                });
+            }
+        }
+        // The buckets still in flight finish before the bucket tensors are dropped.
+        for f in in_flight.into_iter().flatten() {
+            f.pending.synchronize()?;
         }
         row.compute_ms = compute / steps as f64;
         row.comm_ms = comm / steps as f64;
         row.hidden_share = if comm > 0.0 { hidden / comm } else { 1.0 };
+        row.hidden_in_backward_share = if comm > 0.0 {
+            hidden_in_backward / comm
+        } else {
+            1.0
+        };
         Ok(row)
     }
 
@@ -513,14 +599,15 @@ mod imp {
             let row = overlap(model, args.steps.max(1), args.batch.max(1))?;
             println!(
                 "  overlap {:<9} {} units, {} params: compute {:.3} ms, all-reduce {:.3} ms/step, \
-                 {:.1} % hidden behind backward, {}/{} started before backward ended; step {:.3} ms \
-                 with NCCL vs {:.3} ms without",
+                 {:.1} % hidden behind compute ({:.1} % behind the same backward), {}/{} started \
+                 before backward ended; step {:.3} ms with NCCL vs {:.3} ms without",
                 row.model,
                 row.units,
                 row.params,
                 row.compute_ms,
                 row.comm_ms,
                 row.hidden_share * 100.0,
+                row.hidden_in_backward_share * 100.0,
                 row.started_before_backward_end,
                 row.all_reduces,
                 row.step_ms_with_nccl,

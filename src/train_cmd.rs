@@ -185,7 +185,8 @@ fn resolve_collective(
         .unwrap_or("auto")
         .parse()
         .map_err(|e: String| anyhow!(e))?;
-    let cuda = backend.device().starts_with("cuda");
+    // A mixed node (`--device cuda:0,cpu`) exchanges through host memory: auto keeps cpu.
+    let cuda = backend.devices().iter().all(|d| d.starts_with("cuda"));
     let choice = select_collective(request, cuda, workers, probe_restarting)?;
     tracing::info!("collective: {choice}");
     Ok(choice)

@@ -833,18 +833,23 @@ fn nccl_collective(_workers: usize) -> Result<CollectivePair, TrainError> {
     )))
 }
 
-/// The backend worker `rank` trains on: with the NCCL collective, a CUDA device becomes the
-/// rank's own GPU (`cuda:<rank>`, where NCCL puts the rank), so its units take the device path.
+/// The backend worker `rank` trains on: its entry of the device list
+/// ([`Backend::for_worker`]); with the NCCL collective and one CUDA device for every worker,
+/// the rank's own GPU (`cuda:<rank>`, where NCCL puts the rank), so its units take the device
+/// path.
 fn worker_backend(cfg: &TrainConfig, rank: usize) -> Backend {
-    match &cfg.backend {
+    let own = cfg.backend.for_worker(rank);
+    match own {
         Backend::Tch { device }
-            if cfg.collective == CollectiveChoice::Nccl && device.starts_with("cuda") =>
+            if cfg.collective == CollectiveChoice::Nccl
+                && !cfg.backend.is_mixed()
+                && device.starts_with("cuda") =>
         {
             Backend::Tch {
                 device: format!("cuda:{rank}"),
             }
         }
-        other => other.clone(),
+        other => other,
     }
 }
 

@@ -110,7 +110,8 @@ impl Backend {
         }
     }
 
-    /// Device string (`cpu` for the built-in backend).
+    /// Device string as given (`cpu` for the built-in backend); a comma-separated list for a
+    /// mixed node ([`Self::for_worker`]).
     pub fn device(&self) -> &str {
         match self {
             Backend::Builtin => "cpu",
@@ -118,11 +119,43 @@ impl Backend {
         }
     }
 
-    /// Checks the backend can run here (compiled in, device present) without building a model.
+    /// The entries of the device list (`cuda:0,cpu` → `cuda:0`, `cpu`); one for a plain device.
+    pub fn devices(&self) -> Vec<&str> {
+        self.device().split(',').map(str::trim).collect()
+    }
+
+    /// The backend worker `rank` of a node trains on: entry `rank mod n` of the device list, so
+    /// `--device cuda:0,cpu` puts even workers on the GPU and odd ones on CPU threads (a mixed
+    /// node; its workers exchange through a host-staged collective).
+    pub fn for_worker(&self, rank: usize) -> Backend {
+        match self {
+            Backend::Tch { .. } => {
+                let list = self.devices();
+                Backend::Tch {
+                    device: list[rank % list.len()].to_string(),
+                }
+            }
+            Backend::Builtin => Backend::Builtin,
+        }
+    }
+
+    /// True when the device list names more than one device kind or index.
+    pub fn is_mixed(&self) -> bool {
+        let list = self.devices();
+        list.iter().any(|d| *d != list[0])
+    }
+
+    /// Checks the backend can run here (compiled in, every listed device present) without
+    /// building a model.
     pub fn probe(&self) -> Result<(), BackendError> {
         match self {
             Backend::Builtin => Ok(()),
-            Backend::Tch { device } => Ok(tch_backend::check_device(device)?),
+            Backend::Tch { .. } => {
+                for d in self.devices() {
+                    tch_backend::check_device(d)?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -142,7 +175,10 @@ impl Backend {
                 task.build_model(seed),
                 optimizer,
             ))),
-            Backend::Tch { device } => tch_replica(task, seed, optimizer, device),
+            Backend::Tch { .. } => {
+                let first = self.for_worker(0);
+                tch_replica(task, seed, optimizer, first.device())
+            }
         }
     }
 }
@@ -206,6 +242,30 @@ mod tests {
         assert!(e.contains("builtin") && e.contains("tch"), "{e}");
         let e = Backend::parse("builtin", "cuda:0").unwrap_err().to_string();
         assert!(e.contains("--backend tch"), "{e}");
+    }
+
+    #[test]
+    fn a_device_list_gives_each_worker_its_entry() {
+        let mixed = Backend::parse("tch", "cuda:0, cpu").unwrap();
+        assert_eq!(mixed.devices(), ["cuda:0", "cpu"]);
+        assert!(mixed.is_mixed());
+        let on = |r: usize| mixed.for_worker(r).device().to_string();
+        assert_eq!(
+            (on(0), on(1), on(2), on(3)),
+            ("cuda:0".into(), "cpu".into(), "cuda:0".into(), "cpu".into())
+        );
+        let plain = Backend::parse("tch", "cuda:1").unwrap();
+        assert!(!plain.is_mixed());
+        assert_eq!(plain.for_worker(5), plain);
+        assert_eq!(Backend::Builtin.for_worker(3), Backend::Builtin);
+        // Every entry is probed: the GPU entry of a mixed list fails here like a plain one.
+        if std::path::Path::new("/proc/driver/nvidia").exists() {
+            return;
+        }
+        assert!(Backend::parse("tch", "cpu,cuda:0")
+            .unwrap()
+            .probe()
+            .is_err());
     }
 
     #[test]

@@ -237,6 +237,23 @@ impl NcclRank {
         &self.compute
     }
 
+    /// Copies `len` `f32`s from `src` to `dst` (device to device) on the compute stream.
+    ///
+    /// # Safety
+    /// Both must be device memory of this rank's GPU holding `len` `f32`s, alive until the
+    /// compute stream has passed the copy.
+    ///
+    /// # Errors
+    /// [`NcclError::Cuda`].
+    pub unsafe fn copy_on_compute(&self, dst: u64, src: u64, len: usize) -> Result<(), NcclError> {
+        self.bind()?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, len * 4, self.compute.cu_stream())
+        }
+        .map_err(cuda_err("cuMemcpyDtoDAsync"))
+    }
+
     /// Makes this rank's context current on the calling thread (raw driver calls need it).
     ///
     /// # Errors
