@@ -155,7 +155,7 @@ pub fn loaded_nccls_in(maps: &str) -> Vec<PathBuf> {
 
 /// The file the dynamic loader opens for `libnccl.so` from `LD_LIBRARY_PATH` (the first
 /// folder holding one), resolved; `None` when no folder there has one.
-fn nccl_on_loader_path() -> Option<PathBuf> {
+pub fn nccl_on_loader_path() -> Option<PathBuf> {
     let v = std::env::var_os("LD_LIBRARY_PATH")?;
     std::env::split_paths(&v)
         .map(|d| d.join("libnccl.so"))
@@ -165,7 +165,7 @@ fn nccl_on_loader_path() -> Option<PathBuf> {
 
 /// How `library` can be opened as `libnccl.so`: its own folder when that is its name,
 /// otherwise a link in `link_dir`.
-fn nccl_lib_for(library: &Path, link_dir: Option<&Path>) -> Result<NcclLib, GpuProbeError> {
+pub fn nccl_lib_for(library: &Path, link_dir: Option<&Path>) -> Result<NcclLib, GpuProbeError> {
     if library.file_name().is_some_and(|n| n == "libnccl.so") {
         if let Some(dir) = library.parent() {
             return Ok(NcclLib {
