@@ -51,6 +51,9 @@ pub enum Command {
     /// Check the NCCL all-reduce on this machine's GPUs against a CPU reference and measure how
     /// much of it hides behind backward (needs --features tch,nccl and a GPU).
     NcclCheck(crate::nccl_check::NcclCheckArgs),
+    /// Measure a scenario's access links alone: the simulator's link model against QUIC through
+    /// a relay replaying the same link (payload delivered in the same window, side by side).
+    LinkCheck(crate::link_check::LinkCheckArgs),
 }
 
 /// Flags of `bench`.

@@ -12,6 +12,7 @@ mod compare;
 mod coordinator_cmd;
 mod fidelity_cmd;
 mod global_model;
+mod link_check;
 mod nccl_check;
 mod node_cmds;
 mod plots;
@@ -60,6 +61,7 @@ fn main() {
         cli::Command::Certs(a) => node_cmds::certs(a),
         cli::Command::Relay(a) => node_cmds::relay(a),
         cli::Command::NcclCheck(a) => nccl_check::run(a),
+        cli::Command::LinkCheck(a) => link_check::run(&a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

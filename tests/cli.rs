@@ -373,3 +373,38 @@ fn collective_flag_cpu_nccl_auto_and_clear_errors() {
         "{t}"
     );
 }
+
+#[test]
+fn link_check_measures_a_scenario_link_both_ways_and_names_bad_nodes() {
+    let dir = scratch("link-check");
+    let out = dir.join("link-check.json");
+    let o = dreamddp(&[
+        "link-check",
+        "fidelity-smoke",
+        "--nodes",
+        "edge-1",
+        "--seconds",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let row = &rows[0];
+    assert_eq!(row["node"], "edge-1", "{rows}");
+    // Both engines moved bytes over the 10 Mbit/s link, neither more than its capacity
+    // allows (1.25 MB in 1 s; the relay is read a moment after the window closes).
+    for key in ["simulated_wire_mb", "real_wire_mb"] {
+        let mb = row[key].as_f64().unwrap();
+        assert!(mb > 0.0 && mb <= 1.5, "{key} = {mb}: {rows}");
+    }
+    assert!(row["capacity_mb"].as_f64().unwrap() > 1.2, "{rows}");
+    let o = dreamddp(&["link-check", "fidelity-smoke", "--nodes", "edge-9"]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("edge-9") && t.contains("edge-0, edge-1"), "{t}");
+    let o = dreamddp(&["link-check", "fidelity-smoke", "--seconds", "0"]);
+    assert!(text(&o).contains("--seconds 0"), "{}", text(&o));
+}

@@ -1,0 +1,378 @@
+//! `dreamddp link-check SCENARIO`: the link model measured alone, against the real transport.
+//!
+//! For each chosen node of an edge scenario, the same stream of messages (`--message-kib`,
+//! cycled) goes up the node's access link for `--seconds`:
+//!
+//! * **simulated**: the simulator's [`Link`] built from the node's `up` spec (FIFO, packet
+//!   model), every message handed over at time zero;
+//! * **real**: dreamddp's QUIC transport with the edge agent's settings (windows sized for the
+//!   link, as `dreamddp cluster` sizes them) through a relay replaying the same spec (the
+//!   scenario queue depth a fidelity run gives it), `--streams` messages in flight at once
+//!   (default 1, as the simulator's link sends them).
+//!
+//! It prints, per node, the payload delivered by the deadline on each side, their ratio, the
+//! link's capacity over the window, and the bytes the relay forwarded (QUIC headers and
+//! acknowledgement-eliciting frames included), and writes them as JSON. This is where the
+//! fidelity report's bytes error is taken apart: no training, no aggregator, one link.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use protocol::{payload_from_f32, Codec, LayerMeta, Message};
+use relay::{spawn_relay, RelayConfig, SCENARIO_QUEUE_MS};
+use serde::Serialize;
+use simulations::edge::plan_edge;
+use simulations::{Link, LinkSpec, SimRng, SimTime};
+use transport::certs::create_cluster_certs;
+use transport::config::TransportSection;
+use transport::{QuicNode, TlsIdentity, TransportConfig};
+
+use crate::cluster_file::{relay_link_figures, EdgeRelay};
+use crate::scenario_cluster::{load, ScenarioOverrides};
+
+/// Flags of `link-check`.
+#[derive(Args, Debug, Clone)]
+pub struct LinkCheckArgs {
+    /// An edge-kind scenario: a file or a built-in name (`default`, `fidelity-smoke`, ...).
+    pub scenario: String,
+    /// Nodes whose up link is measured (`edge-0,edge-3`), or `all` (each distinct link once).
+    #[arg(long, default_value = "all")]
+    pub nodes: String,
+    /// Seconds of sending on each link.
+    #[arg(long, default_value_t = 20.0)]
+    pub seconds: f64,
+    /// Message sizes in KiB, sent in this order and cycled (a model's layer deltas).
+    #[arg(long, default_value = "1568,256,40")]
+    pub message_kib: String,
+    /// Messages in flight at once on the real connection (one QUIC stream each). With 1 both
+    /// sides send one message at a time, as the simulator's FIFO link does.
+    #[arg(long, default_value_t = 1)]
+    pub streams: usize,
+    /// Where to write the JSON report.
+    #[arg(long, default_value = "link-check.json")]
+    pub out: PathBuf,
+}
+
+/// One link measured both ways.
+#[derive(Debug, Serialize)]
+pub struct LinkCheckRow {
+    /// The node whose up link this is.
+    pub node: String,
+    /// The link, as the scenario gives it (bandwidth or trace, latency, loss).
+    pub link: String,
+    /// Seconds measured.
+    pub seconds: f64,
+    /// The link's mean capacity over the window, MB (10^6 bytes).
+    pub capacity_mb: f64,
+    /// Payload (message frames) the simulator delivered by the deadline, MB.
+    pub simulated_mb: f64,
+    /// Bytes the simulator serialized by the deadline (retransmissions included), MB.
+    pub simulated_wire_mb: f64,
+    /// Payload the real transport delivered by the deadline, MB.
+    pub real_mb: f64,
+    /// Bytes the relay forwarded up during the window (QUIC packets), MB.
+    pub real_wire_mb: f64,
+    /// Datagrams the relay dropped (queue, outage, loss).
+    pub real_drops: u64,
+    /// `real_mb / simulated_mb`.
+    pub real_over_simulated: f64,
+}
+
+/// Runs the check.
+pub fn run(args: &LinkCheckArgs) -> Result<()> {
+    if !(args.seconds.is_finite() && args.seconds > 0.0) {
+        bail!("--seconds {}: must be a positive number", args.seconds);
+    }
+    if args.streams == 0 {
+        bail!("--streams must be at least 1");
+    }
+    let sizes: Vec<usize> = args
+        .message_kib
+        .split(',')
+        .map(|s| {
+            s.trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|k| k.is_finite() && *k > 0.0)
+                .map(|k| ((k * 1024.0) as usize / 4).max(1))
+                .with_context(|| format!("--message-kib: '{s}' is not a positive number of KiB"))
+        })
+        .collect::<Result<_>>()?;
+    let loaded = load(&args.scenario, &ScenarioOverrides::default())?;
+    let strategy = loaded
+        .scenario
+        .strategies
+        .first()
+        .cloned()
+        .unwrap_or_else(|| "elastic".into());
+    let plan = plan_edge(&loaded.scenario, &loaded.task, &strategy).map_err(anyhow::Error::msg)?;
+    let mut chosen: Vec<(String, LinkSpec, LinkSpec)> = Vec::new();
+    for n in &plan.nodes {
+        let wanted = if args.nodes == "all" {
+            !plan
+                .nodes
+                .iter()
+                .take_while(|m| m.name != n.name)
+                .any(|m| m.up == n.up)
+        } else {
+            args.nodes.split(',').any(|x| x.trim() == n.name)
+        };
+        if wanted {
+            // Trace paths are relative to the scenario's folder, as the simulator reads them.
+            let (mut up, mut down) = (n.up.clone(), n.down.clone());
+            up.resolve_paths(&loaded.scenario.base_dir);
+            down.resolve_paths(&loaded.scenario.base_dir);
+            chosen.push((n.name.clone(), up, down));
+        }
+    }
+    if chosen.is_empty() {
+        bail!(
+            "--nodes {}: no such node in {} (nodes: {})",
+            args.nodes,
+            loaded.scenario.name,
+            plan.nodes
+                .iter()
+                .map(|n| n.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let messages: Vec<Message> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &floats)| layer_message(i, floats))
+        .collect::<Result<_>>()?;
+    let frames: Vec<usize> = messages
+        .iter()
+        .map(|m| protocol::encode_frame(m).map(|f| f.len()))
+        .collect::<Result<_, _>>()
+        .context("encoding a message")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
+    let mut rows = Vec::new();
+    println!(
+        "link-check {}: {} s per link, messages {} KiB, {} stream(s)",
+        loaded.scenario.name, args.seconds, args.message_kib, args.streams
+    );
+    for (i, (node, up, down)) in chosen.iter().enumerate() {
+        let seed = loaded
+            .scenario
+            .seed
+            .wrapping_mul(1000)
+            .wrapping_add(i as u64);
+        let (sim_mb, sim_wire_mb) = simulated(up, &frames, args.seconds, seed)?;
+        let real = runtime.block_on(real(up, down, &messages, args, seed))?;
+        let row = LinkCheckRow {
+            node: node.clone(),
+            link: describe(up),
+            seconds: args.seconds,
+            capacity_mb: capacity_mb(up, args.seconds)?,
+            simulated_mb: sim_mb,
+            simulated_wire_mb: sim_wire_mb,
+            real_mb: real.delivered_mb,
+            real_wire_mb: real.wire_mb,
+            real_drops: real.drops,
+            real_over_simulated: if sim_mb > 0.0 {
+                real.delivered_mb / sim_mb
+            } else {
+                f64::NAN
+            },
+        };
+        println!(
+            "  {:<8} {:<44} capacity {:>7.2} MB  simulated {:>7.2} MB (wire {:>7.2})  real {:>7.2} MB \
+             (relay forwarded {:>7.2}, dropped {})  real/simulated {:.3}",
+            row.node,
+            row.link,
+            row.capacity_mb,
+            row.simulated_mb,
+            row.simulated_wire_mb,
+            row.real_mb,
+            row.real_wire_mb,
+            row.real_drops,
+            row.real_over_simulated
+        );
+        rows.push(row);
+    }
+    std::fs::write(&args.out, serde_json::to_string_pretty(&rows)?)
+        .with_context(|| format!("cannot write {}", args.out.display()))?;
+    println!("report: {}", args.out.display());
+    Ok(())
+}
+
+/// A layer delta of `floats` values (raw f32, as the scenarios' codec sends them).
+fn layer_message(layer: usize, floats: usize) -> Result<Message> {
+    let values: Vec<f32> = (0..floats).map(|i| (i % 997) as f32 * 1e-3).collect();
+    let meta = LayerMeta {
+        node_id: 1,
+        layer_id: layer as u32,
+        layer_name: format!("layer{layer}"),
+        ..Default::default()
+    };
+    let payload = payload_from_f32(meta, &[floats as u32], &values, Codec::RawF32)
+        .map_err(|e| anyhow::anyhow!("building a {floats}-value message: {e}"))?;
+    Ok(Message::LayerDelta(payload))
+}
+
+/// `bandwidth` or trace file, latency and loss, in a few words.
+fn describe(spec: &LinkSpec) -> String {
+    let capacity = match (&spec.bandwidth, &spec.trace) {
+        (Some(b), _) => format!("{:.1} Mbit/s", b.bits_per_sec() as f64 / 1e6),
+        (None, Some(t)) => t
+            .path
+            .file_name()
+            .map_or_else(|| "trace".into(), |n| n.to_string_lossy().into_owned()),
+        (None, None) => "unlimited".into(),
+    };
+    format!("{capacity}, {} ms, loss {}", spec.latency_ms, spec.loss)
+}
+
+/// Mean capacity of `spec` over `seconds`, MB.
+fn capacity_mb(spec: &LinkSpec, seconds: f64) -> Result<f64> {
+    if let Some(b) = spec.bandwidth {
+        return Ok(b.bits_per_sec() as f64 / 8.0 * seconds / 1e6);
+    }
+    let trace = spec.load_trace().context("loading the link's trace")?;
+    Ok(trace.map_or(f64::NAN, |t| {
+        let period_s = t.period().0 as f64 / 1e9;
+        t.bytes_per_period() as f64 / period_s.max(1e-9) * seconds / 1e6
+    }))
+}
+
+/// Payload delivered and bytes serialized by the simulator's link by `seconds`, MB.
+fn simulated(spec: &LinkSpec, frames: &[usize], seconds: f64, seed: u64) -> Result<(f64, f64)> {
+    let trace = spec.load_trace().context("loading the link's trace")?;
+    let mut link = Link::new(spec, trace, &SimRng::new(seed).fork("link-check"))
+        .context("building the simulated link")?;
+    let deadline = SimTime::from_nanos((seconds * 1e9) as u64);
+    let (mut delivered, mut wire) = (0u64, 0u64);
+    for &bytes in frames.iter().cycle() {
+        let t = link.send(SimTime::ZERO, bytes as u64, None);
+        match t.delivered_at {
+            Some(at) if at <= deadline => {
+                delivered += t.bytes;
+                wire += t.bytes_on_wire;
+            }
+            _ => {
+                // Bytes serialized before the deadline, pro rata over the transfer's span.
+                let span = (t.link_free_at - t.started_at).as_secs_f64().max(1e-12);
+                let inside = (deadline.as_secs_f64() - t.started_at.as_secs_f64()).clamp(0.0, span);
+                wire += (t.bytes_on_wire as f64 * inside / span) as u64;
+                break;
+            }
+        }
+        if t.link_free_at > deadline {
+            break;
+        }
+    }
+    Ok((delivered as f64 / 1e6, wire as f64 / 1e6))
+}
+
+/// What the real transport moved through the relay.
+struct RealOutcome {
+    delivered_mb: f64,
+    wire_mb: f64,
+    drops: u64,
+}
+
+async fn real(
+    up: &LinkSpec,
+    down: &LinkSpec,
+    messages: &[Message],
+    args: &LinkCheckArgs,
+    seed: u64,
+) -> Result<RealOutcome> {
+    let dir = tempfile::tempdir().context("temporary folder for certificates")?;
+    let names = ["link-sender".to_string(), "link-receiver".to_string()];
+    create_cluster_certs(dir.path(), &names)?;
+    let localhost = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    let receiver = QuicNode::bind(
+        localhost,
+        &TlsIdentity::in_dir(dir.path(), &names[1]),
+        &TransportConfig::default(),
+    )?;
+    let (mut up, mut down) = (up.clone(), down.clone());
+    for d in [&mut up, &mut down] {
+        d.queue_ms = d.queue_ms.or(Some(SCENARIO_QUEUE_MS));
+    }
+    let edge = EdgeRelay {
+        up: up.clone(),
+        down: down.clone(),
+        seed,
+    };
+    let mut section = TransportSection::default();
+    if let Some((mbps, rtt)) = relay_link_figures(&edge, std::path::Path::new("."))? {
+        section.link_mbps = Some(mbps);
+        section.rtt_ms = Some(rtt);
+    }
+    let sender_config = section
+        .to_config_over(TransportConfig::edge_device())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let sender = QuicNode::bind(
+        localhost,
+        &TlsIdentity::in_dir(dir.path(), &names[0]),
+        &sender_config,
+    )?;
+    let relay = spawn_relay(RelayConfig {
+        listen: localhost,
+        upstream: receiver.local_addr()?,
+        up,
+        down,
+        seed,
+    })
+    .await
+    .context("starting the relay")?;
+    // The relay's link time starts now; so does the window.
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(args.seconds);
+    let (dialed, accepted) = tokio::join!(
+        sender.connect(relay.local_addr(), &names[1]),
+        receiver.accept()
+    );
+    let to_receiver = Arc::new(dialed?);
+    let from_sender = accepted.context("the receiver closed")??;
+    let counter = tokio::spawn(async move {
+        let mut delivered = 0u64;
+        loop {
+            match tokio::time::timeout_at(end.into(), from_sender.recv()).await {
+                Ok(Ok(m)) => {
+                    delivered += protocol::encode_frame(&m).map_or(0, |f| f.len() as u64);
+                }
+                Ok(Err(_)) | Err(_) => break,
+            }
+        }
+        delivered
+    });
+    let mut in_flight = tokio::task::JoinSet::new();
+    let mut next = 0usize;
+    while Instant::now() < end {
+        while in_flight.len() < args.streams {
+            let conn = Arc::clone(&to_receiver);
+            let msg = messages[next % messages.len()].clone();
+            next += 1;
+            in_flight.spawn(async move { conn.send(&msg).await });
+        }
+        match tokio::time::timeout_at(end.into(), in_flight.join_next()).await {
+            Ok(Some(Ok(Err(e)))) => bail!("sending through the relay failed: {e}"),
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    let delivered = counter.await.context("the receiving task")?;
+    let stats = relay.stats();
+    in_flight.abort_all();
+    to_receiver.close("link-check done");
+    sender.close();
+    receiver.close();
+    relay.shutdown().await;
+    Ok(RealOutcome {
+        delivered_mb: delivered as f64 / 1e6,
+        wire_mb: stats.up.bytes_out as f64 / 1e6,
+        drops: stats.up.dropped.total(),
+    })
+}
