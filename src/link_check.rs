@@ -338,13 +338,8 @@ async fn real(
     let from_sender = accepted.context("the receiver closed")??;
     let counter = tokio::spawn(async move {
         let mut delivered = 0u64;
-        loop {
-            match tokio::time::timeout_at(end.into(), from_sender.recv()).await {
-                Ok(Ok(m)) => {
-                    delivered += protocol::encode_frame(&m).map_or(0, |f| f.len() as u64);
-                }
-                Ok(Err(_)) | Err(_) => break,
-            }
+        while let Ok(Ok(m)) = tokio::time::timeout_at(end.into(), from_sender.recv()).await {
+            delivered += protocol::encode_frame(&m).map_or(0, |f| f.len() as u64);
         }
         delivered
     });
