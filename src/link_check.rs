@@ -10,10 +10,15 @@
 //!   scenario queue depth a fidelity run gives it), `--streams` messages in flight at once
 //!   (default 1, as the simulator's link sends them).
 //!
-//! It prints, per node, the payload delivered by the deadline on each side, their ratio, the
-//! link's capacity over the window, and the bytes the relay forwarded (QUIC headers and
-//! acknowledgement-eliciting frames included), and writes them as JSON. This is where the
-//! fidelity report's bytes error is taken apart: no training, no aggregator, one link.
+//! It prints, per node, the payload delivered by the deadline on each side (whole messages),
+//! their ratio, the link's capacity over the window, and the bytes each side put on the link
+//! (the simulator's serialized packets, retransmissions included; the packets the relay
+//! forwarded, QUIC headers included), and writes them as JSON. This is where the fidelity
+//! report's bytes error is taken apart: no training, no aggregator, one link.
+//!
+//! A real `send` returns once the message is in QUIC's send buffer, so `--streams` bounds the
+//! sends outstanding, not what is on the wire: as in an edge agent, the connection's send
+//! window does, and QUIC interleaves the buffered messages' streams.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -79,6 +84,9 @@ pub struct LinkCheckRow {
     pub real_drops: u64,
     /// `real_mb / simulated_mb`.
     pub real_over_simulated: f64,
+    /// Why the real connection stopped before the window ended (e.g. an outage longer than
+    /// the idle timeout); its figures are up to that point.
+    pub real_error: Option<String>,
 }
 
 /// Runs the check.
@@ -183,6 +191,7 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
             } else {
                 f64::NAN
             },
+            real_error: real.error,
         };
         println!(
             "  {:<8} {:<44} capacity {:>7.2} MB  simulated {:>7.2} MB (wire {:>7.2})  real {:>7.2} MB \
@@ -197,6 +206,9 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
             row.real_drops,
             row.real_over_simulated
         );
+        if let Some(e) = &row.real_error {
+            println!("           the real connection stopped early: {e}");
+        }
         rows.push(row);
     }
     std::fs::write(&args.out, serde_json::to_string_pretty(&rows)?)
@@ -229,7 +241,14 @@ fn describe(spec: &LinkSpec) -> String {
             .map_or_else(|| "trace".into(), |n| n.to_string_lossy().into_owned()),
         (None, None) => "unlimited".into(),
     };
-    format!("{capacity}, {} ms, loss {}", spec.latency_ms, spec.loss)
+    let mut text = format!("{capacity}, {} ms, loss {}", spec.latency_ms, spec.loss);
+    if spec.gilbert_elliott.is_some() {
+        text.push_str(", burst loss");
+    }
+    if !spec.outages.is_empty() {
+        text.push_str(&format!(", {} outage(s)", spec.outages.len()));
+    }
+    text
 }
 
 /// Mean capacity of `spec` over `seconds`, MB.
@@ -278,6 +297,7 @@ struct RealOutcome {
     delivered_mb: f64,
     wire_mb: f64,
     drops: u64,
+    error: Option<String>,
 }
 
 async fn real(
@@ -334,8 +354,19 @@ async fn real(
         sender.connect(relay.local_addr(), &names[1]),
         receiver.accept()
     );
-    let to_receiver = Arc::new(dialed?);
-    let from_sender = accepted.context("the receiver closed")??;
+    let (to_receiver, from_sender) = match (dialed, accepted) {
+        (Ok(d), Some(Ok(a))) => (Arc::new(d), a),
+        (Err(e), _) | (_, Some(Err(e))) => {
+            relay.shutdown().await;
+            return Ok(RealOutcome {
+                delivered_mb: 0.0,
+                wire_mb: 0.0,
+                drops: 0,
+                error: Some(format!("connecting through the relay failed: {e}")),
+            });
+        }
+        (_, None) => bail!("the receiving endpoint closed"),
+    };
     let counter = tokio::spawn(async move {
         let mut delivered = 0u64;
         while let Ok(Ok(m)) = tokio::time::timeout_at(end.into(), from_sender.recv()).await {
@@ -345,7 +376,8 @@ async fn real(
     });
     let mut in_flight = tokio::task::JoinSet::new();
     let mut next = 0usize;
-    while Instant::now() < end {
+    let mut error = None;
+    while Instant::now() < end && error.is_none() {
         while in_flight.len() < args.streams {
             let conn = Arc::clone(&to_receiver);
             let msg = messages[next % messages.len()].clone();
@@ -353,7 +385,7 @@ async fn real(
             in_flight.spawn(async move { conn.send(&msg).await });
         }
         match tokio::time::timeout_at(end.into(), in_flight.join_next()).await {
-            Ok(Some(Ok(Err(e)))) => bail!("sending through the relay failed: {e}"),
+            Ok(Some(Ok(Err(e)))) => error = Some(format!("sending failed: {e}")),
             Ok(_) => {}
             Err(_) => break,
         }
@@ -369,5 +401,6 @@ async fn real(
         delivered_mb: delivered as f64 / 1e6,
         wire_mb: stats.up.bytes_out as f64 / 1e6,
         drops: stats.up.dropped.total(),
+        error,
     })
 }
