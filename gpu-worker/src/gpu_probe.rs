@@ -451,7 +451,7 @@ impl std::fmt::Display for CollectiveChoice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::Cpu => "cpu (thread all-reduce over host memory)",
-            Self::Nccl => "nccl (one rank per GPU, host-staged buckets)",
+            Self::Nccl => "nccl (one rank per GPU)",
         })
     }
 }
