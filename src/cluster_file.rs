@@ -313,7 +313,7 @@ pub fn relay_link_figures(relay: &EdgeRelay, base_dir: &Path) -> Result<Option<(
 }
 
 /// Capacity of one relay direction in Mbit/s (`None`: unlimited).
-fn direction_mbps(spec: &RelayLinkSpec, base_dir: &Path) -> Result<Option<f64>> {
+pub fn direction_mbps(spec: &RelayLinkSpec, base_dir: &Path) -> Result<Option<f64>> {
     if let Some(b) = spec.bandwidth {
         return Ok(Some(b.bits_per_sec() as f64 / 1e6));
     }

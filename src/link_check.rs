@@ -20,14 +20,14 @@
 //! sends outstanding, not what is on the wire: as in an edge agent, the connection's send
 //! window does, and QUIC interleaves the buffered messages' streams.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use protocol::{payload_from_f32, Codec, LayerMeta, Message};
-use relay::{spawn_relay, RelayConfig, SCENARIO_QUEUE_MS};
+use protocol::Message;
+use relay::{spawn_relay, RelayConfig};
 use serde::Serialize;
 use simulations::edge::plan_edge;
 use simulations::{Link, LinkSpec, SimRng, SimTime};
@@ -35,8 +35,8 @@ use transport::certs::create_cluster_certs;
 use transport::config::TransportSection;
 use transport::{QuicNode, TlsIdentity, TransportConfig};
 
-use crate::cluster_file::{relay_link_figures, EdgeRelay};
-use crate::scenario_cluster::{load, ScenarioOverrides};
+use crate::cluster_file::{direction_mbps, relay_link_figures};
+use crate::scenario_cluster::{load, scenario_relay, ScenarioOverrides};
 
 /// Flags of `link-check`.
 #[derive(Args, Debug, Clone)]
@@ -150,9 +150,8 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
     }
     let messages: Vec<Message> = sizes
         .iter()
-        .enumerate()
-        .map(|(i, &floats)| layer_message(i, floats))
-        .collect::<Result<_>>()?;
+        .map(|&floats| transport::bench::bench_message(floats))
+        .collect::<Result<_, _>>()?;
     let frames: Vec<usize> = messages
         .iter()
         .map(|m| protocol::encode_frame(m).map(|f| f.len()))
@@ -217,20 +216,6 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
     Ok(())
 }
 
-/// A layer delta of `floats` values (raw f32, as the scenarios' codec sends them).
-fn layer_message(layer: usize, floats: usize) -> Result<Message> {
-    let values: Vec<f32> = (0..floats).map(|i| (i % 997) as f32 * 1e-3).collect();
-    let meta = LayerMeta {
-        node_id: 1,
-        layer_id: layer as u32,
-        layer_name: format!("layer{layer}"),
-        ..Default::default()
-    };
-    let payload = payload_from_f32(meta, &[floats as u32], &values, Codec::RawF32)
-        .map_err(|e| anyhow::anyhow!("building a {floats}-value message: {e}"))?;
-    Ok(Message::LayerDelta(payload))
-}
-
 /// `bandwidth` or trace file, latency and loss, in a few words.
 fn describe(spec: &LinkSpec) -> String {
     let capacity = match (&spec.bandwidth, &spec.trace) {
@@ -251,16 +236,10 @@ fn describe(spec: &LinkSpec) -> String {
     text
 }
 
-/// Mean capacity of `spec` over `seconds`, MB.
+/// Mean capacity of `spec` over `seconds`, MB (the rate `dreamddp cluster` sizes windows by).
 fn capacity_mb(spec: &LinkSpec, seconds: f64) -> Result<f64> {
-    if let Some(b) = spec.bandwidth {
-        return Ok(b.bits_per_sec() as f64 / 8.0 * seconds / 1e6);
-    }
-    let trace = spec.load_trace().context("loading the link's trace")?;
-    Ok(trace.map_or(f64::NAN, |t| {
-        let period_s = t.period().0 as f64 / 1e9;
-        t.bytes_per_period() as f64 / period_s.max(1e-9) * seconds / 1e6
-    }))
+    Ok(direction_mbps(spec, Path::new("."))?
+        .map_or(f64::NAN, |mbps| mbps * 1e6 / 8.0 * seconds / 1e6))
 }
 
 /// Payload delivered and bytes serialized by the simulator's link by `seconds`, MB.
@@ -316,15 +295,8 @@ async fn real(
         &TlsIdentity::in_dir(dir.path(), &names[1]),
         &TransportConfig::default(),
     )?;
-    let (mut up, mut down) = (up.clone(), down.clone());
-    for d in [&mut up, &mut down] {
-        d.queue_ms = d.queue_ms.or(Some(SCENARIO_QUEUE_MS));
-    }
-    let edge = EdgeRelay {
-        up: up.clone(),
-        down: down.clone(),
-        seed,
-    };
+    let edge = scenario_relay(up, down, seed);
+    let (up, down) = (edge.up.clone(), edge.down.clone());
     let mut section = TransportSection::default();
     if let Some((mbps, rtt)) = relay_link_figures(&edge, std::path::Path::new("."))? {
         section.link_mbps = Some(mbps);

@@ -128,7 +128,7 @@ mod imp {
     use anyhow::{anyhow, Context};
     use engine::optim::OptimizerConfig;
     use engine::replica::ModelReplica;
-    use engine::replica::{DeviceSpan, DeviceSpans};
+    use engine::replica::{DeviceSpan, DeviceSpans, UnitData};
     use engine::tensor::Tensor as HostTensor;
     use gpu_worker::device_sync::{DeviceCollective, StagedPiece};
     use gpu_worker::nccl::{DeviceBuffer, NcclCollective, NcclRank, ReductionOp};
@@ -411,12 +411,16 @@ mod imp {
                 .collect(),
         );
         let targets: Vec<usize> = (0..batch).map(|_| rng.random_range(0..10)).collect();
+        // Each unit's value tensors in device memory (empty for a parameter-free layer).
         let tensors: Vec<Vec<DeviceBuffer>> = (0..replica.layer_names().len())
             .map(|i| {
-                replica
-                    .unit_value_buffers(i)
-                    .into_iter()
-                    .map(|(ptr, len)| DeviceBuffer { ptr, len })
+                let mut runs = Vec::new();
+                replica.with_unit(i, &mut |u| {
+                    let spans = u.device_spans(UnitData::Values).map(|d| d.spans);
+                    runs = spans.unwrap_or_default();
+                });
+                runs.into_iter()
+                    .filter_map(|s| s.ptr.map(|ptr| DeviceBuffer { ptr, len: s.len }))
                     .collect()
             })
             .collect();

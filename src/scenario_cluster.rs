@@ -30,6 +30,7 @@ use simulations::edge::spec::DeadlineMode;
 use simulations::edge::{plan_edge, ChurnAction, EdgePlan, SyncMode};
 use simulations::report::{SeriesPoint, SimSummary, StrategyResult};
 use simulations::scenario::{Scenario, ScenarioKind, BUILTIN};
+use simulations::LinkSpec;
 
 use crate::cluster_cmd::{print_table, run_cluster_file, ClusterArgs, ClusterSummary};
 use crate::cluster_file::{
@@ -113,6 +114,16 @@ fn override_seconds(text: &mut String, key: &str, flag: &str, seconds: f64) -> R
     table.insert(key.into(), toml::Value::Float(seconds));
     *text = toml::to_string(&table)?;
     Ok(seconds)
+}
+
+/// The relay in front of a scenario node: the same specs, with the relay's queue as deep as
+/// the simulator's (see `SCENARIO_QUEUE_MS`) unless the scenario bounds it.
+pub fn scenario_relay(up: &LinkSpec, down: &LinkSpec, seed: u64) -> EdgeRelay {
+    let (mut up, mut down) = (up.clone(), down.clone());
+    for d in [&mut up, &mut down] {
+        d.queue_ms = d.queue_ms.or(Some(relay::SCENARIO_QUEUE_MS));
+    }
+    EdgeRelay { up, down, seed }
 }
 
 /// Loads an edge-kind scenario (a file or a built-in name) with the overrides.
@@ -322,35 +333,26 @@ pub fn cluster_file(
         .nodes
         .iter()
         .enumerate()
-        .map(|(i, n)| {
-            // The same spec; the relay's queue is as deep as the simulator's (see
-            // `SCENARIO_QUEUE_MS`) unless the scenario bounds it.
-            let mut up = n.up.clone();
-            let mut down = n.down.clone();
-            for d in [&mut up, &mut down] {
-                d.queue_ms = d.queue_ms.or(Some(relay::SCENARIO_QUEUE_MS));
-            }
-            EdgeProcess {
-                name: n.name.clone(),
-                relay: Some(EdgeRelay {
-                    up,
-                    down,
-                    seed: s.seed.wrapping_mul(1000).wrapping_add(i as u64),
-                }),
-                deadline_ms: Some(n.deadline_ms.round().max(1.0) as u64),
-                codec: None,
-                transport: None,
-                backend: None,
-                device: None,
-                batch_size: Some(n.batch),
-                pace: Some(PaceSection {
-                    step_ms: n.step_s * n.slowdown.max(f64::MIN_POSITIVE) * 1e3,
-                    jitter: n.jitter,
-                    seed: s.seed.wrapping_add(i as u64),
-                }),
-                start_at_s: n.joins_at_s,
-                link_class: Some(n.class.to_string()),
-            }
+        .map(|(i, n)| EdgeProcess {
+            name: n.name.clone(),
+            relay: Some(scenario_relay(
+                &n.up,
+                &n.down,
+                s.seed.wrapping_mul(1000).wrapping_add(i as u64),
+            )),
+            deadline_ms: Some(n.deadline_ms.round().max(1.0) as u64),
+            codec: None,
+            transport: None,
+            backend: None,
+            device: None,
+            batch_size: Some(n.batch),
+            pace: Some(PaceSection {
+                step_ms: n.step_s * n.slowdown.max(f64::MIN_POSITIVE) * 1e3,
+                jitter: n.jitter,
+                seed: s.seed.wrapping_add(i as u64),
+            }),
+            start_at_s: n.joins_at_s,
+            link_class: Some(n.class.to_string()),
         })
         .collect();
     Ok(ClusterFile {

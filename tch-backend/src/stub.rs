@@ -19,11 +19,6 @@ pub struct TchReplica {
 
 impl TchReplica {
     /// Never called in this build (no replica exists).
-    pub fn unit_value_buffers(&self, _index: usize) -> Vec<(u64, usize)> {
-        match self.never {}
-    }
-
-    /// Never called in this build (no replica exists).
     pub fn synchronize_device(&self) {
         match self.never {}
     }

@@ -86,7 +86,9 @@ fn mb_per_s(bytes: u64, elapsed: Duration) -> f64 {
     bytes as f64 / 1e6 / elapsed.as_secs_f64().max(1e-9)
 }
 
-fn bench_message(floats: usize) -> Result<Message, TransportError> {
+/// A layer delta of `floats` raw `f32` values (what the benchmark and `dreamddp link-check`
+/// send).
+pub fn bench_message(floats: usize) -> Result<Message, TransportError> {
     let values: Vec<f32> = (0..floats).map(|i| (i % 1000) as f32 * 1e-3).collect();
     let meta = LayerMeta {
         node_id: 1,

@@ -9,11 +9,8 @@
 //! same order (the sync machine does: every worker runs the same plan). World `w` puts rank
 //! `r` on GPU `r`. Like PyTorch's `ProcessGroupNCCL`, the communicator is made lazily: each
 //! rank joins (`ncclCommInitRank`, one unique id made up front) on its first submission, from
-//! its own worker thread, once that thread has set up its model on the GPU. The first version
-//! made it eagerly (`ncclCommInitAll` on the main thread, before the workers' libtorch
-//! replicas existed); on an H200 with NCCL 2.28.3 an all-reduce in `train` then failed with
-//! NCCL's "corrupted comm object detected", while `nccl-check` (communicators made after
-//! libtorch's CUDA set-up) passed. The lazy version has not yet run on a GPU (docs/gpu.md).
+//! its own worker thread, once that thread has set up its model on the GPU. (The NCCL it
+//! calls is the one libtorch loaded: see [`crate::gpu_probe::loaded_nccl`].)
 //! With several GPUs a rank's first submission blocks until every rank has joined.
 
 use std::sync::atomic::{AtomicU64, Ordering};

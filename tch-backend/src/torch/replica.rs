@@ -118,27 +118,6 @@ impl TchReplica {
         self.device
     }
 
-    /// Unit `index`'s value tensors in device memory, in the unit's flat *Values* order
-    /// (parameters, then synced buffers): `(data_ptr, numel)` of each `f32` tensor, for a
-    /// collective that reduces them in place (NCCL). Empty for a parameter-free layer. The
-    /// addresses stay valid while the replica lives: optimizer steps and value writes are in
-    /// place.
-    pub fn unit_value_buffers(&self, index: usize) -> Vec<(u64, usize)> {
-        let Some(Some(unit)) = self.units.get(index) else {
-            return Vec::new();
-        };
-        let params = unit.params.iter().map(|p| (&p.value, p.numel));
-        let buffers = unit
-            .buffers
-            .iter()
-            .filter(|b| b.synced)
-            .map(|b| (&b.value, b.numel));
-        params
-            .chain(buffers)
-            .map(|(t, n)| (t.data_ptr() as u64, n))
-            .collect()
-    }
-
     /// Blocks until the device finished the work queued so far (no-op on the CPU).
     pub fn synchronize_device(&self) {
         self.synchronize();
