@@ -54,6 +54,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use thiserror::Error;
 
+mod mux;
+pub use mux::{MuxEvent, MuxLink};
+
 /// Packets acknowledged after a lost one before it is declared lost (RFC 9002 kPacketThreshold).
 pub const PACKET_THRESHOLD: u64 = 3;
 /// Timer granularity of the RTT estimator (RFC 9002 kGranularity).
@@ -229,6 +232,18 @@ pub struct LinkStats {
     pub packets_lost: u64,
 }
 
+/// What happened to one packet put on the wire.
+#[derive(Clone, Copy, Debug)]
+enum PacketFate {
+    /// Serialized until `end`; arrives at `arrival`, or is lost (`None`).
+    Sent {
+        end: SimTime,
+        arrival: Option<SimTime>,
+    },
+    /// A non-looped trace ended first.
+    TraceExhausted,
+}
+
 /// Reusable per-transfer buffers (kept in the link so a transfer does not allocate per packet).
 #[derive(Clone, Debug, Default)]
 struct TransferScratch {
@@ -378,6 +393,51 @@ impl Link {
         )
     }
 
+    /// Puts one packet of `size` bytes on the wire at `t`: its serialization, then its random
+    /// loss and jitter draws (in this order, for every packet, so that an outage does not shift
+    /// the random streams).
+    fn put_packet(&mut self, t: SimTime, size: u64) -> PacketFate {
+        let Some(end) = self.transmit(t, size) else {
+            return PacketFate::TraceExhausted;
+        };
+        let randomly_lost = self.random_loss();
+        let jitter = self.jitter_sample();
+        let arrival =
+            (!randomly_lost && !self.in_outage(end)).then(|| end + self.params.latency + jitter);
+        PacketFate::Sent { end, arrival }
+    }
+
+    /// Loss recovery bookkeeping of one packet sent at `t` whose serialization ended at `end`:
+    /// a delivered packet (`arrival`) feeds the RTT estimator and returns `None`; a lost one
+    /// updates its backoff (only while nothing at all gets through, as QUIC resets its PTO
+    /// count on any acknowledgement) and returns when its probe timeout fires.
+    fn on_packet_outcome(
+        &mut self,
+        t: SimTime,
+        end: SimTime,
+        arrival: Option<SimTime>,
+        attempt: u32,
+        deliveries: u64,
+        backoff_exponent: &mut u32,
+        deliveries_at_loss: &mut u64,
+    ) -> Option<SimTime> {
+        match arrival {
+            Some(arrival) => {
+                self.rtt.on_sample(arrival + self.params.latency - t);
+                None
+            }
+            None => {
+                *backoff_exponent = if attempt == 1 || deliveries > *deliveries_at_loss {
+                    0
+                } else {
+                    (*backoff_exponent + 1).min(30)
+                };
+                *deliveries_at_loss = deliveries;
+                Some(end + self.rtt.pto() * (1u64 << *backoff_exponent))
+            }
+        }
+    }
+
     /// Sends a message of `bytes` submitted at `now`, queued behind earlier messages, and returns
     /// its outcome. With a `deadline`, a message not delivered by it is a failure and stops
     /// occupying the link at the deadline.
@@ -451,7 +511,8 @@ impl Link {
             }
 
             let size = packet_size(packet);
-            let Some(end) = self.transmit(t, size) else {
+            let fate = self.put_packet(t, size);
+            let PacketFate::Sent { end, arrival } = fate else {
                 failure = Some(TransferFailure::TraceExhausted);
                 break;
             };
@@ -462,34 +523,27 @@ impl Link {
             retransmissions += u64::from(is_retransmission);
             last_send_end = Some(end);
 
-            let randomly_lost = self.random_loss();
-            let jitter = self.jitter_sample();
-            if randomly_lost || self.in_outage(end) {
+            let slot = packet as usize;
+            if let Some(pto_at) = self.on_packet_outcome(
+                t,
+                end,
+                arrival,
+                attempt,
+                deliveries,
+                &mut scratch.backoff_exponent[slot],
+                &mut scratch.deliveries_at_loss[slot],
+            ) {
                 packets_lost += 1;
-                // Back off only while nothing at all gets through (as QUIC resets its PTO count
-                // on any acknowledgement).
-                let slot = packet as usize;
-                scratch.backoff_exponent[slot] =
-                    if attempt == 1 || deliveries > scratch.deliveries_at_loss[slot] {
-                        0
-                    } else {
-                        (scratch.backoff_exponent[slot] + 1).min(30)
-                    };
-                scratch.deliveries_at_loss[slot] = deliveries;
-                let backoff = 1u64 << scratch.backoff_exponent[slot];
-                let pto_at = end + self.rtt.pto() * backoff;
                 scratch.retransmit.push(Reverse((pto_at, packet, attempt)));
                 scratch.awaiting_threshold.push_back((
                     deliveries + PACKET_THRESHOLD,
                     packet,
                     attempt,
                 ));
-            } else {
-                let arrival = end + self.params.latency + jitter;
+            } else if let Some(arrival) = arrival {
                 last_arrival = last_arrival.max(arrival);
                 let ack = arrival + self.params.latency;
                 last_ack = last_ack.max(ack);
-                self.rtt.on_sample(ack - t);
                 deliveries += 1;
                 while let Some(&(needed, lost_packet, lost_attempt)) =
                     scratch.awaiting_threshold.front()

@@ -11,6 +11,7 @@
 //! to an in-memory durable store (the simulator's stand-in for sled), confirmed at once.
 
 mod divergence;
+mod links;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -39,7 +40,7 @@ use super::plan::{EdgePlan, PlannedAggregator, PlannedNode};
 use super::spec::{AccessLink, ChurnAction, EdgeSpec, ResolvedEdge};
 use crate::compute::{layer_costs, Device, Straggler};
 use crate::events::EventQueue;
-use crate::link::{Bandwidth, Link, LinkSpec};
+use crate::link::{Bandwidth, Link, LinkSpec, MuxLink};
 use crate::replica::Replica;
 use crate::report::{SeriesPoint, StrategyResult, SyncEvent};
 use crate::rng::SimRng;
@@ -159,8 +160,8 @@ struct SimNode {
     name: String,
     wire: u64,
     class: LinkClass,
-    up: Link,
-    down: Link,
+    up: MuxLink,
+    down: MuxLink,
     outage_ends: Vec<SimTime>,
     /// Nominal virtual seconds of one training step (forward + backward).
     step_s: f64,
@@ -184,7 +185,8 @@ struct SimNode {
     timer_at: Option<u64>,
     subscribed: bool,
     pending_versions: BTreeMap<u32, PendingVersion>,
-    version_busy: bool,
+    /// Layers whose version slot is taken (a frame not yet in the aggregator's send window).
+    version_busy: BTreeSet<u32>,
     sent_version: Vec<u64>,
     /// fedbuff: the newest global version of each layer received during the local round.
     held_versions: BTreeMap<u32, (u64, Vec<f32>)>,
@@ -195,8 +197,8 @@ struct SimNode {
 
 struct SimAgg {
     state: AggregatorState,
-    up: Link,
-    down: Link,
+    up: MuxLink,
+    down: MuxLink,
     timer_at: Option<u64>,
 }
 
@@ -227,7 +229,7 @@ enum Cargo {
     },
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum LinkRef {
     NodeUp(usize),
     NodeDown(usize),
@@ -255,9 +257,10 @@ enum Event {
         agg: usize,
         at: u64,
     },
-    DownlinkFree {
-        node: usize,
-        gen: u64,
+    /// A link's wake-up ([`MuxLink::next_wake`]).
+    LinkWake {
+        link: LinkRef,
+        at: SimTime,
     },
     LinkUp {
         node: usize,
@@ -366,6 +369,10 @@ pub struct World<'a> {
     layers: Vec<SyncLayer>,
     ledger: Ledger,
     in_transit: BTreeMap<DeltaKey, u32>,
+    /// Messages on a link, by link and the link's message id.
+    in_flight: BTreeMap<(LinkRef, u64), links::InFlight>,
+    /// The pending wake-up of each link.
+    link_wakes: BTreeMap<LinkRef, SimTime>,
     bytes_by_class: BTreeMap<String, u64>,
     bytes_total: u64,
     staleness: BTreeMap<u64, u64>,
@@ -543,6 +550,10 @@ impl<'a> World<'a> {
             let link = &resolved.aggregator_link;
             let (up, up_bps) = factory.build(&link.up, &format!("agg-{a}.up"))?;
             let (down, down_bps) = factory.build(&link.down, &format!("agg-{a}.down"))?;
+            let (up, down) = (
+                MuxLink::new(up, links::aggregator_send_window()),
+                MuxLink::new(down, links::aggregator_send_window()),
+            );
             agg_nominal.push((up_bps, down_bps, link.up.latency_ms, link.down.latency_ms));
             aggs.push(SimAgg {
                 state,
@@ -600,6 +611,13 @@ impl<'a> World<'a> {
                 .map_err(|e| e.to_string())?;
             let (up, up_bps) = factory.build(&access.up, &format!("{name}.up"))?;
             let (down, down_bps) = factory.build(&access.down, &format!("{name}.down"))?;
+            let (up, down) = (
+                MuxLink::new(
+                    up,
+                    links::node_send_window(&access.up, &access.down, up_bps, down_bps),
+                ),
+                MuxLink::new(down, links::aggregator_send_window()),
+            );
             // Deadline: slack + nominal time to upload one delta of every layer over the
             // slowest hop, download the largest version, and one round trip.
             let (agg_up_bps, agg_down_bps, agg_up_lat, agg_down_lat) = agg_nominal[0];
@@ -667,7 +685,7 @@ impl<'a> World<'a> {
                 timer_at: None,
                 subscribed: false,
                 pending_versions: BTreeMap::new(),
-                version_busy: false,
+                version_busy: BTreeSet::new(),
                 sent_version: vec![0; layers.len()],
                 held_versions: BTreeMap::new(),
                 drain: BTreeSet::new(),
@@ -692,6 +710,8 @@ impl<'a> World<'a> {
             layers,
             ledger: Ledger::default(),
             in_transit: BTreeMap::new(),
+            in_flight: BTreeMap::new(),
+            link_wakes: BTreeMap::new(),
             bytes_by_class: [("aggregator", 0u64), ("cloud", 0), ("edge", 0)]
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
@@ -742,8 +762,8 @@ impl<'a> World<'a> {
                 .map(|n| PlannedNode {
                     name: n.name.clone(),
                     class: n.class.label(),
-                    up: n.up.spec().clone(),
-                    down: n.down.spec().clone(),
+                    up: n.up.link().spec().clone(),
+                    down: n.down.link().spec().clone(),
                     step_s: n.step_s,
                     slowdown: n.straggler.slowdown,
                     jitter: n.straggler.jitter,
@@ -758,8 +778,8 @@ impl<'a> World<'a> {
                 .enumerate()
                 .map(|(i, a)| PlannedAggregator {
                     name: format!("agg-{i}"),
-                    up: a.up.spec().clone(),
-                    down: a.down.spec().clone(),
+                    up: a.up.link().spec().clone(),
+                    down: a.down.link().spec().clone(),
                 })
                 .collect(),
             aggregator: self.agg_config.clone(),
@@ -865,229 +885,6 @@ impl<'a> World<'a> {
                 (view.values.to_vec(), view.version)
             })
             .unzip()
-    }
-
-    // ----- links -------------------------------------------------------------------------
-
-    fn link_mut(&mut self, r: LinkRef) -> &mut Link {
-        match r {
-            LinkRef::NodeUp(i) => &mut self.nodes[i].up,
-            LinkRef::NodeDown(i) => &mut self.nodes[i].down,
-            LinkRef::AggUp(a) => &mut self.aggs[a].up,
-            LinkRef::AggDown(a) => &mut self.aggs[a].down,
-        }
-    }
-
-    fn class_of(&self, r: LinkRef) -> &'static str {
-        match r {
-            LinkRef::NodeUp(i) | LinkRef::NodeDown(i) => self.nodes[i].class.label(),
-            LinkRef::AggUp(_) | LinkRef::AggDown(_) => "aggregator",
-        }
-    }
-
-    fn route(cargo: &Cargo, hop: u8) -> LinkRef {
-        match (cargo, hop) {
-            (Cargo::Delta { from, .. }, 0) => LinkRef::NodeUp(*from),
-            (Cargo::Delta { agg, .. }, _) => LinkRef::AggDown(*agg),
-            (Cargo::ToNode { agg, .. }, 0) => LinkRef::AggUp(*agg),
-            (Cargo::ToNode { node, .. }, _) => LinkRef::NodeDown(*node),
-            (Cargo::Bootstrap { .. }, 0) => LinkRef::AggUp(0),
-            (Cargo::Bootstrap { node, .. }, _) => LinkRef::NodeDown(*node),
-        }
-    }
-
-    /// Sends `cargo` over hop `hop` of its route, now.
-    fn transmit(&mut self, hop: u8, deadline: Option<SimTime>, bytes: u64, cargo: Box<Cargo>) {
-        let now = self.now();
-        let r = Self::route(&cargo, hop);
-        let transfer = self.link_mut(r).send(now, bytes, deadline);
-        let class = self.class_of(r);
-        *self.bytes_by_class.entry(class.to_string()).or_default() += transfer.bytes_on_wire;
-        self.bytes_total += transfer.bytes_on_wire;
-        // A version occupies its node's down link until the link frees up.
-        if hop == 1 {
-            if let Cargo::ToNode {
-                node,
-                gen,
-                version: Some(_),
-                ..
-            } = *cargo
-            {
-                self.schedule(transfer.link_free_at, Event::DownlinkFree { node, gen });
-            }
-        }
-        match transfer.delivered_at {
-            Some(at) => self.schedule(
-                at,
-                Event::Hop {
-                    hop: hop + 1,
-                    deadline,
-                    bytes,
-                    cargo,
-                },
-            ),
-            None => self.lost(hop, *cargo),
-        }
-    }
-
-    fn lost(&mut self, hop: u8, cargo: Cargo) {
-        match cargo {
-            Cargo::Delta { key, .. } => self.leave_transit(key),
-            Cargo::ToNode {
-                node,
-                gen,
-                msg,
-                version: Some((layer, version)),
-                ..
-            } => {
-                if hop == 0 {
-                    let now = self.now();
-                    self.schedule(now, Event::DownlinkFree { node, gen });
-                }
-                if self.nodes[node].gen == gen {
-                    let n = &mut self.nodes[node];
-                    let l = layer as usize;
-                    n.sent_version[l] = n
-                        .client
-                        .as_ref()
-                        .and_then(|c| c.version(layer))
-                        .unwrap_or(0);
-                    if !n.pending_versions.contains_key(&layer) {
-                        let bytes = self.layers[l].version_frame_bytes;
-                        self.enqueue_version(node, layer, version, bytes, Rc::new(msg), true);
-                    }
-                }
-            }
-            Cargo::ToNode { .. } => {}
-            Cargo::Bootstrap { node, gen, .. } => {
-                let now = self.now();
-                self.schedule(now + BOOTSTRAP_RETRY, Event::Rejoin { node, gen });
-            }
-        }
-    }
-
-    fn leave_transit(&mut self, key: DeltaKey) {
-        if let Some(count) = self.in_transit.get_mut(&key) {
-            *count -= 1;
-            if *count == 0 {
-                self.in_transit.remove(&key);
-            }
-        }
-    }
-
-    fn arrive(&mut self, hop: u8, deadline: Option<SimTime>, bytes: u64, cargo: Box<Cargo>) {
-        if hop < 2 {
-            return self.transmit(hop, deadline, bytes, cargo);
-        }
-        let now = self.now().as_nanos();
-        match *cargo {
-            Cargo::Delta {
-                from,
-                agg,
-                key,
-                msg,
-            } => {
-                self.leave_transit(key);
-                let wire = self.nodes[from].wire;
-                self.aggs[agg].state.handle_message(now, wire, msg);
-                self.pump_agg(agg);
-            }
-            Cargo::ToNode { node, gen, msg, .. } => {
-                let n = &mut self.nodes[node];
-                if n.gen != gen {
-                    return;
-                }
-                let Some(client) = n.client.as_mut() else {
-                    return;
-                };
-                client.handle_message(now, msg);
-                self.after_node_activity(node);
-            }
-            Cargo::Bootstrap {
-                node,
-                gen,
-                values,
-                versions,
-            } => {
-                if self.nodes[node].gen == gen {
-                    if let Err(e) = self.finish_bootstrap(node, values, &versions) {
-                        self.fatal = Some(e);
-                    }
-                }
-            }
-        }
-    }
-
-    // ----- versions: latest-wins fan-out -------------------------------------------------
-
-    /// Queues a layer version for `node` (latest wins). A `forced` version (a direct reply,
-    /// e.g. after a resync) goes out even if the node already received that version.
-    fn enqueue_version(
-        &mut self,
-        node: usize,
-        layer: u32,
-        version: u64,
-        bytes: u64,
-        msg: Rc<Message>,
-        forced: bool,
-    ) {
-        let n = &mut self.nodes[node];
-        if !n.subscribed || (!forced && version <= n.sent_version[layer as usize]) {
-            return;
-        }
-        if n.pending_versions
-            .get(&layer)
-            .is_some_and(|p| p.version >= version)
-        {
-            return;
-        }
-        self.version_order += 1;
-        let order = self.version_order;
-        self.nodes[node].pending_versions.insert(
-            layer,
-            PendingVersion {
-                version,
-                order,
-                bytes,
-                msg,
-            },
-        );
-        self.try_send_versions(node);
-    }
-
-    fn try_send_versions(&mut self, node: usize) {
-        let n = &mut self.nodes[node];
-        if n.version_busy || !n.subscribed {
-            return;
-        }
-        let Some(layer) = n
-            .pending_versions
-            .iter()
-            .min_by_key(|(_, p)| p.order)
-            .map(|(&l, _)| l)
-        else {
-            return;
-        };
-        let Some(p) = n.pending_versions.remove(&layer) else {
-            return;
-        };
-        n.version_busy = true;
-        n.sent_version[layer as usize] = n.sent_version[layer as usize].max(p.version);
-        let msg = Rc::try_unwrap(p.msg).unwrap_or_else(|rc| (*rc).clone());
-        let gen = n.gen;
-        let agg = self.layers[layer as usize].owner;
-        self.transmit(
-            0,
-            None,
-            p.bytes,
-            Box::new(Cargo::ToNode {
-                agg,
-                node,
-                gen,
-                msg,
-                version: Some((layer, p.version)),
-            }),
-        );
     }
 
     // ----- aggregators -------------------------------------------------------------------
@@ -1543,7 +1340,7 @@ impl<'a> World<'a> {
         n.replica = None;
         n.subscribed = false;
         n.pending_versions.clear();
-        n.version_busy = false;
+        n.version_busy.clear();
         n.timer_at = None;
         n.drain.clear();
         n.left = false;
@@ -1594,7 +1391,7 @@ impl<'a> World<'a> {
         n.replica = Some(replica);
         n.client = Some(client);
         n.subscribed = true;
-        n.version_busy = false;
+        n.version_busy.clear();
         n.timer_at = None;
         n.sent_version = versions.to_vec();
         n.status = Status::Training;
@@ -1781,12 +1578,7 @@ impl<'a> World<'a> {
                         self.pump_agg(agg);
                     }
                 }
-                Event::DownlinkFree { node, gen } => {
-                    if self.nodes[node].gen == gen {
-                        self.nodes[node].version_busy = false;
-                        self.try_send_versions(node);
-                    }
-                }
+                Event::LinkWake { link, at } => self.link_wake(link, at),
                 Event::LinkUp { node } => {
                     if let Some(c) = self.nodes[node].client.as_mut() {
                         c.on_link_up(now.as_nanos());
