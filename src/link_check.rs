@@ -3,12 +3,12 @@
 //! For each chosen node of an edge scenario, the same stream of messages (`--message-kib`,
 //! cycled) goes up the node's access link for `--seconds`:
 //!
-//! * **simulated**: the simulator's [`Link`] built from the node's `up` spec (FIFO, packet
-//!   model), every message handed over at time zero;
+//! * **simulated**: the simulator's [`MuxLink`] built from the node's `up` spec (packet model,
+//!   messages sharing the link round-robin up to the edge's send window), with `--streams`
+//!   sends outstanding, a send returning when its message is admitted to the window;
 //! * **real**: dreamddp's QUIC transport with the edge agent's settings (windows sized for the
 //!   link, as `dreamddp cluster` sizes them) through a relay replaying the same spec (the
-//!   scenario queue depth a fidelity run gives it), `--streams` messages in flight at once
-//!   (default 1, as the simulator's link sends them).
+//!   scenario queue depth a fidelity run gives it), `--streams` sends outstanding at once.
 //!
 //! It prints, per node, the payload delivered by the deadline on each side (whole messages),
 //! their ratio, the link's capacity over the window, and the bytes each side put on the link
@@ -30,7 +30,7 @@ use protocol::Message;
 use relay::{spawn_relay, RelayConfig};
 use serde::Serialize;
 use simulations::edge::plan_edge;
-use simulations::{Link, LinkSpec, SimRng, SimTime};
+use simulations::{Link, LinkSpec, MuxEvent, MuxLink, SimRng, SimTime};
 use transport::certs::create_cluster_certs;
 use transport::config::TransportSection;
 use transport::{QuicNode, TlsIdentity, TransportConfig};
@@ -52,8 +52,8 @@ pub struct LinkCheckArgs {
     /// Message sizes in KiB, sent in this order and cycled (a model's layer deltas).
     #[arg(long, default_value = "1568,256,40")]
     pub message_kib: String,
-    /// Messages in flight at once on the real connection (one QUIC stream each). With 1 both
-    /// sides send one message at a time, as the simulator's FIFO link does.
+    /// Sends outstanding at once on both sides (one QUIC stream each; a send returns when its
+    /// message is in the send window, so more may be on the link).
     #[arg(long, default_value_t = 1)]
     pub streams: usize,
     /// Where to write the JSON report.
@@ -76,12 +76,23 @@ pub struct LinkCheckRow {
     pub simulated_mb: f64,
     /// Bytes the simulator serialized by the deadline (retransmissions included), MB.
     pub simulated_wire_mb: f64,
+    /// Mean delay the simulator's standing queue added to a packet, ms.
+    pub simulated_queue_wait_ms: f64,
     /// Payload the real transport delivered by the deadline, MB.
     pub real_mb: f64,
     /// Bytes the relay forwarded up during the window (QUIC packets), MB.
     pub real_wire_mb: f64,
     /// Datagrams the relay dropped (queue, outage, loss).
     pub real_drops: u64,
+    /// Mean wait of a real datagram in the relay's bandwidth queue, ms (the queueing delay
+    /// QUIC's sender builds up; the simulated sender never queues).
+    pub real_queue_wait_ms: f64,
+    /// The longest such wait, ms.
+    pub real_queue_wait_max_ms: f64,
+    /// The real sender's congestion window, sampled every 100 ms: mean, KB.
+    pub real_cwnd_mean_kb: f64,
+    /// Its largest sample, KB.
+    pub real_cwnd_max_kb: f64,
     /// `real_mb / simulated_mb`.
     pub real_over_simulated: f64,
     /// Why the real connection stopped before the window ended (e.g. an outage longer than
@@ -173,7 +184,9 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
             .seed
             .wrapping_mul(1000)
             .wrapping_add(i as u64);
-        let (sim_mb, sim_wire_mb) = simulated(up, &frames, args.seconds, seed)?;
+        let window = sender_config(up, down, seed)?.send_window;
+        let (sim_mb, sim_wire_mb, sim_queue_ms) =
+            simulated(up, &frames, args.seconds, seed, window, args.streams)?;
         let real = runtime.block_on(real(up, down, &messages, args, seed))?;
         let row = LinkCheckRow {
             node: node.clone(),
@@ -182,9 +195,14 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
             capacity_mb: capacity_mb(up, args.seconds)?,
             simulated_mb: sim_mb,
             simulated_wire_mb: sim_wire_mb,
+            simulated_queue_wait_ms: sim_queue_ms,
             real_mb: real.delivered_mb,
             real_wire_mb: real.wire_mb,
             real_drops: real.drops,
+            real_queue_wait_ms: real.queue_wait_ms,
+            real_queue_wait_max_ms: real.queue_wait_max_ms,
+            real_cwnd_mean_kb: real.cwnd_mean_kb,
+            real_cwnd_max_kb: real.cwnd_max_kb,
             real_over_simulated: if sim_mb > 0.0 {
                 real.delivered_mb / sim_mb
             } else {
@@ -193,16 +211,22 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
             real_error: real.error,
         };
         println!(
-            "  {:<8} {:<44} capacity {:>7.2} MB  simulated {:>7.2} MB (wire {:>7.2})  real {:>7.2} MB \
-             (relay forwarded {:>7.2}, dropped {})  real/simulated {:.3}",
+            "  {:<8} {:<44} capacity {:>7.2} MB  simulated {:>7.2} MB (wire {:>7.2}, queue wait mean {:.0} ms)  real {:>7.2} MB \
+             (relay forwarded {:>7.2}, dropped {}, queue wait mean {:.0} ms, max {:.0} ms, \
+             cwnd mean {:.0} KB, max {:.0} KB)  real/simulated {:.3}",
             row.node,
             row.link,
             row.capacity_mb,
             row.simulated_mb,
             row.simulated_wire_mb,
+            row.simulated_queue_wait_ms,
             row.real_mb,
             row.real_wire_mb,
             row.real_drops,
+            row.real_queue_wait_ms,
+            row.real_queue_wait_max_ms,
+            row.real_cwnd_mean_kb,
+            row.real_cwnd_max_kb,
             row.real_over_simulated
         );
         if let Some(e) = &row.real_error {
@@ -242,33 +266,82 @@ fn capacity_mb(spec: &LinkSpec, seconds: f64) -> Result<f64> {
         .map_or(f64::NAN, |mbps| mbps * 1e6 / 8.0 * seconds / 1e6))
 }
 
-/// Payload delivered and bytes serialized by the simulator's link by `seconds`, MB.
-fn simulated(spec: &LinkSpec, frames: &[usize], seconds: f64, seed: u64) -> Result<(f64, f64)> {
+/// Payload delivered and bytes serialized by the simulator's link by `seconds`, MB, and the
+/// mean standing-queue delay of a packet, ms: `streams` sends outstanding, each returning when
+/// its message enters the `window`.
+fn simulated(
+    spec: &LinkSpec,
+    frames: &[usize],
+    seconds: f64,
+    seed: u64,
+    window: u64,
+    streams: usize,
+) -> Result<(f64, f64, f64)> {
     let trace = spec.load_trace().context("loading the link's trace")?;
-    let mut link = Link::new(spec, trace, &SimRng::new(seed).fork("link-check"))
+    let link = Link::new(spec, trace, &SimRng::new(seed).fork("link-check"))
         .context("building the simulated link")?;
+    let mut link = MuxLink::new(link, window);
     let deadline = SimTime::from_nanos((seconds * 1e9) as u64);
-    let (mut delivered, mut wire) = (0u64, 0u64);
-    for &bytes in frames.iter().cycle() {
-        let t = link.send(SimTime::ZERO, bytes as u64, None);
-        match t.delivered_at {
-            Some(at) if at <= deadline => {
-                delivered += t.bytes;
-                wire += t.bytes_on_wire;
-            }
-            _ => {
-                // Bytes serialized before the deadline, pro rata over the transfer's span.
-                let span = (t.link_free_at - t.started_at).as_secs_f64().max(1e-12);
-                let inside = (deadline.as_secs_f64() - t.started_at.as_secs_f64()).clamp(0.0, span);
-                wire += (t.bytes_on_wire as f64 * inside / span) as u64;
-                break;
+    let mut next = frames.iter().cycle();
+    let (mut now, mut outstanding, mut delivered) = (SimTime::ZERO, 0usize, 0u64);
+    loop {
+        while outstanding < streams {
+            let bytes = *next.next().context("no message sizes")?;
+            link.submit(now, bytes as u64, None);
+            outstanding += 1;
+        }
+        let mut admitted = false;
+        for event in link.take_events() {
+            match event {
+                MuxEvent::Admitted { .. } => {
+                    outstanding -= 1;
+                    admitted = true;
+                }
+                MuxEvent::Finished { transfer, .. } => {
+                    if transfer.delivered_at.is_some_and(|at| at <= deadline) {
+                        delivered += transfer.bytes;
+                    }
+                }
             }
         }
-        if t.link_free_at > deadline {
-            break;
+        if admitted {
+            continue;
+        }
+        match link.next_wake() {
+            Some(wake) if wake <= deadline => {
+                now = wake;
+                link.advance_through(wake);
+            }
+            _ => break,
         }
     }
-    Ok((delivered as f64 / 1e6, wire as f64 / 1e6))
+    link.advance_through(deadline);
+    for event in link.take_events() {
+        if let MuxEvent::Finished { transfer, .. } = event {
+            if transfer.delivered_at.is_some_and(|at| at <= deadline) {
+                delivered += transfer.bytes;
+            }
+        }
+    }
+    Ok((
+        delivered as f64 / 1e6,
+        link.bytes_serialized() as f64 / 1e6,
+        link.mean_queue_wait().as_millis_f64(),
+    ))
+}
+
+/// The edge's QUIC settings behind the scenario relay of `up` / `down`: windows sized for the
+/// link as `dreamddp cluster` sizes them.
+fn sender_config(up: &LinkSpec, down: &LinkSpec, seed: u64) -> Result<TransportConfig> {
+    let edge = scenario_relay(up, down, seed);
+    let mut section = TransportSection::default();
+    if let Some((mbps, rtt)) = relay_link_figures(&edge, std::path::Path::new("."))? {
+        section.link_mbps = Some(mbps);
+        section.rtt_ms = Some(rtt);
+    }
+    section
+        .to_config_over(TransportConfig::edge_device())
+        .map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// What the real transport moved through the relay.
@@ -276,6 +349,10 @@ struct RealOutcome {
     delivered_mb: f64,
     wire_mb: f64,
     drops: u64,
+    queue_wait_ms: f64,
+    queue_wait_max_ms: f64,
+    cwnd_mean_kb: f64,
+    cwnd_max_kb: f64,
     error: Option<String>,
 }
 
@@ -295,16 +372,9 @@ async fn real(
         &TlsIdentity::in_dir(dir.path(), &names[1]),
         &TransportConfig::default(),
     )?;
+    let sender_config = sender_config(up, down, seed)?;
     let edge = scenario_relay(up, down, seed);
     let (up, down) = (edge.up.clone(), edge.down.clone());
-    let mut section = TransportSection::default();
-    if let Some((mbps, rtt)) = relay_link_figures(&edge, std::path::Path::new("."))? {
-        section.link_mbps = Some(mbps);
-        section.rtt_ms = Some(rtt);
-    }
-    let sender_config = section
-        .to_config_over(TransportConfig::edge_device())
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let sender = QuicNode::bind(
         localhost,
         &TlsIdentity::in_dir(dir.path(), &names[0]),
@@ -334,6 +404,10 @@ async fn real(
                 delivered_mb: 0.0,
                 wire_mb: 0.0,
                 drops: 0,
+                queue_wait_ms: 0.0,
+                queue_wait_max_ms: 0.0,
+                cwnd_mean_kb: 0.0,
+                cwnd_max_kb: 0.0,
                 error: Some(format!("connecting through the relay failed: {e}")),
             });
         }
@@ -345,6 +419,16 @@ async fn real(
             delivered += protocol::encode_frame(&m).map_or(0, |f| f.len() as u64);
         }
         delivered
+    });
+    let sampled = Arc::clone(&to_receiver);
+    let cwnd_sampler = tokio::spawn(async move {
+        let mut samples = Vec::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        while Instant::now() < end {
+            tick.tick().await;
+            samples.push(sampled.congestion_window() as f64 / 1e3);
+        }
+        samples
     });
     let mut in_flight = tokio::task::JoinSet::new();
     let mut next = 0usize;
@@ -363,6 +447,7 @@ async fn real(
         }
     }
     let delivered = counter.await.context("the receiving task")?;
+    let cwnd = cwnd_sampler.await.context("the window sampler")?;
     let stats = relay.stats();
     in_flight.abort_all();
     to_receiver.close("link-check done");
@@ -373,6 +458,10 @@ async fn real(
         delivered_mb: delivered as f64 / 1e6,
         wire_mb: stats.up.bytes_out as f64 / 1e6,
         drops: stats.up.dropped.total(),
+        queue_wait_ms: stats.up.mean_queue_wait_ms(),
+        queue_wait_max_ms: stats.up.queue_wait_ns_max as f64 / 1e6,
+        cwnd_mean_kb: cwnd.iter().sum::<f64>() / cwnd.len().max(1) as f64,
+        cwnd_max_kb: cwnd.iter().copied().fold(0.0, f64::max),
         error,
     })
 }

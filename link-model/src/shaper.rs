@@ -94,6 +94,8 @@ pub struct LinkShaper {
     /// When the last delivered datagram arrives (deliveries keep offer order without
     /// `jitter_reorders`).
     last_delivery_ns: u64,
+    /// How long the last accepted datagram waited in the queue before its serialization.
+    last_queue_wait_ns: u64,
 }
 
 impl LinkShaper {
@@ -147,12 +149,19 @@ impl LinkShaper {
             last_now_ns: 0,
             jitter_reorders: spec.jitter_reorders,
             last_delivery_ns: 0,
+            last_queue_wait_ns: 0,
         })
     }
 
     /// The queue bound in bytes (`None` for an unlimited link, which has no queue).
     pub fn queue_limit_bytes(&self) -> Option<u64> {
         self.queue_limit_bytes
+    }
+
+    /// How long the datagram of the last [`LinkShaper::on_datagram`] call waited behind the
+    /// queue before its serialization started (0 when it was dropped before the queue).
+    pub fn last_queue_wait_ns(&self) -> u64 {
+        self.last_queue_wait_ns
     }
 
     /// Bytes accepted and not yet serialized as of the last call.
@@ -183,6 +192,7 @@ impl LinkShaper {
         }
 
         let start = now.max(self.busy_until_ns);
+        self.last_queue_wait_ns = 0;
         if self.in_outage(now) || self.in_outage(start) {
             return Verdict::Drop(DropReason::Outage);
         }
@@ -206,6 +216,7 @@ impl LinkShaper {
             }
         };
         if !matches!(self.capacity, Capacity::Unlimited) {
+            self.last_queue_wait_ns = start - now;
             self.busy_until_ns = departure;
             if departure > now {
                 self.in_queue.push_back((departure, len));

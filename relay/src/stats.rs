@@ -42,6 +42,23 @@ pub struct DirectionStats {
     pub dropped: DropCounts,
     /// Datagrams the relay failed to send (socket errors).
     pub send_errors: u64,
+    /// Datagrams delivered through the bandwidth queue (all delivered ones on a limited link).
+    pub queued_datagrams: u64,
+    /// Their summed wait in the queue before serialization, ns.
+    pub queue_wait_ns_total: u64,
+    /// The longest such wait, ns.
+    pub queue_wait_ns_max: u64,
+}
+
+impl DirectionStats {
+    /// Mean wait of a delivered datagram in the bandwidth queue, ms (0 with none).
+    pub fn mean_queue_wait_ms(&self) -> f64 {
+        if self.queued_datagrams == 0 {
+            0.0
+        } else {
+            self.queue_wait_ns_total as f64 / self.queued_datagrams as f64 / 1e6
+        }
+    }
 }
 
 /// A snapshot of a relay's counters.
@@ -68,6 +85,9 @@ pub(crate) struct DirectionCounters {
     queue_full: AtomicU64,
     trace_ended: AtomicU64,
     send_errors: AtomicU64,
+    queued_datagrams: AtomicU64,
+    queue_wait_ns_total: AtomicU64,
+    queue_wait_ns_max: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64, by: u64) {
@@ -83,6 +103,13 @@ impl DirectionCounters {
     pub(crate) fn sent(&self, len: usize) {
         bump(&self.datagrams_out, 1);
         bump(&self.bytes_out, len as u64);
+    }
+
+    /// A datagram accepted for delivery after waiting `wait_ns` in the bandwidth queue.
+    pub(crate) fn queued(&self, wait_ns: u64) {
+        bump(&self.queued_datagrams, 1);
+        bump(&self.queue_wait_ns_total, wait_ns);
+        self.queue_wait_ns_max.fetch_max(wait_ns, Ordering::Relaxed);
     }
 
     pub(crate) fn send_failed(&self) {
@@ -115,6 +142,9 @@ impl DirectionCounters {
                 trace_ended: get(&self.trace_ended),
             },
             send_errors: get(&self.send_errors),
+            queued_datagrams: get(&self.queued_datagrams),
+            queue_wait_ns_total: get(&self.queue_wait_ns_total),
+            queue_wait_ns_max: get(&self.queue_wait_ns_max),
         }
     }
 }

@@ -102,6 +102,7 @@ impl DirectionPath {
                 self.counters.dropped(reason);
             }
             Verdict::Deliver { at_ns } => {
+                self.counters.queued(shaper.last_queue_wait_ns());
                 let outgoing = Outgoing {
                     at: self.start + Duration::from_nanos(at_ns),
                     payload: payload.to_vec(),

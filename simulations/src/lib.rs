@@ -52,7 +52,7 @@ pub use link_model::{rng, time, trace};
 pub use events::{EventId, EventQueue, ScheduleInPast};
 pub use link::{
     Bandwidth, BandwidthParseError, GilbertElliott, GilbertElliottSpec, Link, LinkError, LinkSpec,
-    LinkSpecError, LinkStats, OutageSpec, TraceSpec, Transfer, TransferFailure,
+    LinkSpecError, LinkStats, MuxEvent, MuxLink, OutageSpec, TraceSpec, Transfer, TransferFailure,
 };
 pub use rng::SimRng;
 pub use scenario_net::{

@@ -55,6 +55,7 @@ use std::sync::Arc;
 use thiserror::Error;
 
 mod mux;
+mod queue;
 pub use mux::{MuxEvent, MuxLink};
 
 /// Packets acknowledged after a lost one before it is declared lost (RFC 9002 kPacketThreshold).

@@ -260,6 +260,11 @@ impl PeerConnection {
         self.inner.connection.rtt()
     }
 
+    /// The congestion controller's current window, bytes: what the sender may have in flight.
+    pub fn congestion_window(&self) -> u64 {
+        self.inner.connection.stats().path.cwnd
+    }
+
     fn encode(&self, msg: &Message) -> Result<Bytes, TransportError> {
         protocol::encode_frame_with_limit(msg, self.inner.max_body_len)
             .map(Bytes::from)

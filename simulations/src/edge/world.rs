@@ -611,13 +611,8 @@ impl<'a> World<'a> {
                 .map_err(|e| e.to_string())?;
             let (up, up_bps) = factory.build(&access.up, &format!("{name}.up"))?;
             let (down, down_bps) = factory.build(&access.down, &format!("{name}.down"))?;
-            let (up, down) = (
-                MuxLink::new(
-                    up,
-                    links::node_send_window(&access.up, &access.down, up_bps, down_bps),
-                ),
-                MuxLink::new(down, links::aggregator_send_window()),
-            );
+            let window = links::node_window(&access.up, &access.down, up_bps, down_bps);
+            let (up, down) = (MuxLink::new(up, window), MuxLink::new(down, window));
             // Deadline: slack + nominal time to upload one delta of every layer over the
             // slowest hop, download the largest version, and one round trip.
             let (agg_up_bps, agg_down_bps, agg_up_lat, agg_down_lat) = agg_nominal[0];

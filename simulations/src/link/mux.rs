@@ -39,6 +39,7 @@
 //! acknowledgement returns; the idle timer restarts when the first message after a quiet spell
 //! is admitted; streams have equal priority (versions, deltas and acknowledgements share fairly).
 
+use super::queue::StandingQueue;
 use super::{Capacity, Link, PacketFate, Transfer, TransferFailure, PACKET_THRESHOLD};
 use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
 use std::cmp::Reverse;
@@ -142,12 +143,17 @@ pub struct MuxLink {
     dead: bool,
     next_id: u64,
     events: Vec<MuxEvent>,
+    /// Bytes serialized so far, retransmissions and unfinished messages included.
+    serialized: u64,
+    standing: StandingQueue,
 }
 
 impl MuxLink {
     /// Shares `link` between messages, admitting up to `window` bytes at once.
     pub fn new(link: Link, window: u64) -> MuxLink {
+        let standing = StandingQueue::new(link.params.latency);
         MuxLink {
+            standing,
             link,
             window,
             streams: BTreeMap::new(),
@@ -166,6 +172,7 @@ impl MuxLink {
             dead: false,
             next_id: 0,
             events: Vec::new(),
+            serialized: 0,
         }
     }
 
@@ -177,6 +184,16 @@ impl MuxLink {
     /// The send window, bytes.
     pub fn window(&self) -> u64 {
         self.window
+    }
+
+    /// Bytes serialized so far (retransmissions and unfinished messages included).
+    pub fn bytes_serialized(&self) -> u64 {
+        self.serialized
+    }
+
+    /// Mean delay of a packet in the sender's standing queue so far ([`super::queue`]).
+    pub fn mean_queue_wait(&self) -> SimDuration {
+        self.standing.mean_wait()
     }
 
     /// Messages submitted and not finished.
@@ -403,8 +420,14 @@ impl MuxLink {
             }
             return;
         };
+        let start = t.max(self.free_at);
+        let waited = self
+            .standing
+            .wait(&self.link.capacity, &self.link.cursor, start, end);
+        let arrival = arrival.map(|a| a + waited);
         self.free_at = end;
         self.last_packet = Some((id, end));
+        self.serialized += size;
         let deliveries = self.deliveries;
         let s = self.streams.get_mut(&id).expect("sending a live message");
         s.attempts[packet as usize] += 1;
@@ -595,7 +618,7 @@ mod tests {
     }
 
     #[test]
-    fn one_message_alone_matches_the_fifo_link() {
+    fn one_message_alone_is_the_fifo_link_plus_the_standing_queue() {
         for loss in [0.0, 0.05] {
             let mut spec = fast_link();
             spec.loss = loss;
@@ -609,7 +632,9 @@ mod tests {
                 let (done, wakes) = drain(&mut l);
                 assert_eq!(done[&id].bytes_on_wire, fifo.bytes_on_wire);
                 if loss == 0.0 {
-                    assert_eq!(done[&id].delivered_at, fifo.delivered_at);
+                    // Busy for 80 ms: BBR's queue of one base round trip (20 ms) has built up.
+                    let queue = SimDuration::from_millis(20);
+                    assert_eq!(done[&id].delivered_at, fifo.delivered_at.map(|d| d + queue));
                     assert!(wakes <= 3, "{wakes} wakes");
                 } else {
                     let (a, b) = (done[&id].delivered_at.unwrap(), fifo.delivered_at.unwrap());
@@ -617,6 +642,14 @@ mod tests {
                 }
             }
         }
+        // A lone small message on an idle link builds no queue worth the name.
+        let mut l = mux(&fast_link(), 1, 4 * MB);
+        let id = l.submit(SimTime::from_secs(10), 15_000, None);
+        let at = drain(&mut l).0[&id].delivered_at.unwrap();
+        assert!(
+            at - SimTime::from_secs(10) < SimDuration::from_millis(13),
+            "{at}"
+        );
     }
 
     #[test]
@@ -631,12 +664,13 @@ mod tests {
             done[&a].delivered_at.unwrap(),
             done[&b].delivered_at.unwrap(),
         );
-        assert!(ta > ms(160) && tb > ms(160) && ta <= tb, "{ta} {tb}");
-        // Everything (2.015 MB) is through at 161.2 ms; the last packet arrives 10 ms later.
-        assert_eq!(tb, ms(171) + SimDuration::from_micros(200));
+        assert!(ta > ms(180) && tb > ms(180) && ta <= tb, "{ta} {tb}");
+        // Everything (2.015 MB) is through at 161.2 ms; the last packet arrives 10 ms of
+        // latency and 20 ms of standing queue later.
+        assert_eq!(tb, ms(191) + SimDuration::from_micros(200));
         // A small message submitted later gets its share at once instead of waiting.
         let ts = done[&small].delivered_at.unwrap();
-        assert!(ts < ms(55), "{ts}");
+        assert!(ts < ms(75), "{ts}");
     }
 
     #[test]
@@ -654,9 +688,9 @@ mod tests {
         );
         let (done, _) = drain(&mut l);
         // b waited for a: FIFO behaviour when the window holds one message.
-        assert_eq!(done[&a].delivered_at, Some(ms(90)));
+        assert_eq!(done[&a].delivered_at, Some(ms(110)));
         assert_eq!(done[&b].started_at, ms(80));
-        assert_eq!(done[&b].delivered_at, Some(ms(170)));
+        assert_eq!(done[&b].delivered_at, Some(ms(190)));
     }
 
     #[test]
@@ -670,9 +704,10 @@ mod tests {
         let next = l.submit(SimTime::ZERO, 15_000, None);
         let (done, _) = drain(&mut l);
         assert_eq!(done[&next].started_at, ms(50));
+        // The link has been busy since 0: the standing queue (20 ms) is there.
         assert_eq!(
             done[&next].delivered_at,
-            Some(ms(61) + SimDuration::from_micros(200))
+            Some(ms(81) + SimDuration::from_micros(200))
         );
     }
 

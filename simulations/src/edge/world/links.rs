@@ -6,9 +6,12 @@
 //! the real aggregator's `send_version` frees it when QUIC has buffered it; newer versions wait
 //! in the slot, the newest replacing the older).
 //!
-//! The windows are the real processes' send windows: an edge's is sized from its access link
-//! as `dreamddp cluster` sizes it ([`node_send_window`]), an aggregator's is the transport
-//! default.
+//! The windows are the real processes': on a node's links (both directions), the node's
+//! connection window, sized from its access link as `dreamddp cluster` sizes it
+//! ([`node_window`]): its send window bounds what it has buffered for the aggregator, its
+//! receive window (the same size) the flow-control credit of the aggregator's sends to it,
+//! which is what blocks the aggregator's write of a version. On an aggregator's own links,
+//! the transport default.
 
 use std::rc::Rc;
 
@@ -27,10 +30,11 @@ pub(super) struct InFlight {
     pub(super) cargo: Box<Cargo>,
 }
 
-/// Send window of a node's own connections: sized from its access link like a real edge's
-/// (`cluster_file::relay_link_figures`: the faster direction's nominal rate, both directions'
-/// latency and jitter as the round trip), or the edge default when the link adds no delay.
-pub(super) fn node_send_window(up: &LinkSpec, down: &LinkSpec, up_bps: f64, down_bps: f64) -> u64 {
+/// Connection window (send and receive) of a node: sized from its access link like a real
+/// edge's (`cluster_file::relay_link_figures`: the faster direction's nominal rate, both
+/// directions' latency and jitter as the round trip), or the edge default when the link adds
+/// no delay.
+pub(super) fn node_window(up: &LinkSpec, down: &LinkSpec, up_bps: f64, down_bps: f64) -> u64 {
     let rtt_ms = up.latency_ms + down.latency_ms + up.jitter_ms + down.jitter_ms;
     if rtt_ms > 0.0 {
         LinkWindows::for_link(up_bps.max(down_bps) / 1e6, rtt_ms).send_window
