@@ -56,6 +56,12 @@ pub struct FidelityArgs {
     /// Real runs per strategy (each cell is compared with their typical value).
     #[arg(long, default_value_t = 1)]
     pub real_runs: usize,
+    /// Compare with the real run recorded in this earlier `fidelity --out` folder (its
+    /// `real/`) instead of running the cluster again: a re-check after a change to the
+    /// simulator. It must have been recorded with the same scenario text (same flags); the
+    /// report names it (`real_from`).
+    #[arg(long)]
+    pub real_from: Option<PathBuf>,
 }
 
 /// One strategy's comparison in `fidelity.json`.
@@ -117,6 +123,9 @@ pub struct FidelityReport {
     pub sim_wall_seconds: f64,
     /// Wall seconds of the real runs.
     pub real_wall_seconds: f64,
+    /// The earlier output folder whose real run this report reuses (`--real-from`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub real_from: Option<String>,
 }
 
 /// Bytes on the nodes' access links of a result.
@@ -160,7 +169,26 @@ fn signed_error(sim: f64, real: f64) -> Option<f64> {
 
 /// Compares one strategy's simulated and real results.
 pub fn compare(sim: &StrategyResult, real: &scenario_cluster::RealRun) -> StrategyFidelity {
-    let r = &real.result;
+    compare_results(
+        sim,
+        &real.result,
+        real.cluster
+            .nodes
+            .iter()
+            .filter_map(|n| n.pace_overruns)
+            .sum(),
+        real.cluster.problems.clone(),
+    )
+}
+
+/// Compares one strategy's simulated result with a real one (in the simulator's schema), given
+/// the real run's pace overruns and problems.
+pub fn compare_results(
+    sim: &StrategyResult,
+    r: &StrategyResult,
+    real_pace_overruns: u64,
+    real_problems: Vec<String>,
+) -> StrategyFidelity {
     let time_to_target_error = match (sim.time_to_target_s, r.time_to_target_s) {
         (Some(s), Some(t)) => signed_error(s, t),
         _ => None,
@@ -185,13 +213,8 @@ pub fn compare(sim: &StrategyResult, real: &scenario_cluster::RealRun) -> Strate
         real_weak_sync_events: r.weak_sync_events,
         staleness_distance: staleness_distance(&sim.staleness_histogram, &r.staleness_histogram),
         real_undelivered: r.undelivered_deltas,
-        real_pace_overruns: real
-            .cluster
-            .nodes
-            .iter()
-            .filter_map(|n| n.pace_overruns)
-            .sum(),
-        real_problems: real.cluster.problems.clone(),
+        real_pace_overruns,
+        real_problems,
         real_runs: 1,
     }
 }
@@ -422,6 +445,9 @@ pub fn run(args: FidelityArgs) -> Result<()> {
     if args.real_runs == 0 {
         bail!("--real-runs must be at least 1 (got 0)");
     }
+    if args.real_from.is_some() && args.real_runs != 1 {
+        bail!("--real-from reuses one recorded real run: leave out --real-runs");
+    }
     let mut loaded: LoadedScenario = scenario_cluster::load(&args.scenario, &args.overrides)?;
     if args.overrides.strategies.is_none() {
         loaded
@@ -456,7 +482,12 @@ pub fn run(args: FidelityArgs) -> Result<()> {
     let started = Instant::now();
     let mut reals = Vec::with_capacity(args.real_runs);
     let mut per_run: Vec<Vec<StrategyFidelity>> = Vec::with_capacity(args.real_runs);
-    for k in 0..args.real_runs {
+    if let Some(from) = &args.real_from {
+        let (real, rows) = crate::fidelity_reuse::recorded(from, &loaded, &sim.strategies)?;
+        per_run.push(rows);
+        reals.push(real);
+    }
+    for k in 0..args.real_runs * usize::from(args.real_from.is_none()) {
         let dir = if args.real_runs == 1 {
             out.join("real")
         } else {
@@ -492,6 +523,7 @@ pub fn run(args: FidelityArgs) -> Result<()> {
         },
         sim_wall_seconds,
         real_wall_seconds,
+        real_from: args.real_from.as_ref().map(|p| p.display().to_string()),
     };
     write_json(&out.join("fidelity.json"), &report)?;
     let lm = sim.strategies.iter().all(|r| r.final_accuracy.is_none());
@@ -530,10 +562,17 @@ pub fn run(args: FidelityArgs) -> Result<()> {
         &overlay,
     )?;
     print_report(&report);
-    println!(
-        "wrote {}/fidelity.json, accuracy_overlay.svg, sim/ and real/",
-        out.display()
-    );
+    match &args.real_from {
+        Some(from) => println!(
+            "wrote {}/fidelity.json, accuracy_overlay.svg and sim/ (the real run is {}'s)",
+            out.display(),
+            from.display()
+        ),
+        None => println!(
+            "wrote {}/fidelity.json, accuracy_overlay.svg, sim/ and real/",
+            out.display()
+        ),
+    }
     check_bounds(&args, &report)
 }
 

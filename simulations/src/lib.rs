@@ -9,7 +9,9 @@
 //! * [`trace`] — parsers and replay for mahimahi and `time_s Mbit/s` capacity traces.
 //! * [`link`] — [`LinkSpec`] (scenario-file parameters) and [`Link`], one direction of a link that
 //!   turns "N bytes submitted at t, deadline d" into a [`Transfer`] (delivery time or failure,
-//!   bytes on the wire, losses, retransmissions).
+//!   bytes on the wire, losses, retransmissions); [`MuxLink`], the same link shared by the
+//!   messages in flight round-robin up to a send window (as QUIC streams share a connection),
+//!   with the standing queue of a BBR sender (edge scenarios use it).
 //! * [`scenario_net`] — [`Topology`]: named nodes and per-direction links, from TOML.
 //!
 //! # Determinism
@@ -21,7 +23,8 @@
 //! are IEEE-754 deterministic).
 //!
 //! # What the link model computes exactly, and what it approximates
-//! Exact (given the model): FIFO queueing of messages on a link; per-packet serialization at the
+//! Exact (given the model): FIFO queueing of messages on a [`Link`], round-robin sharing on a
+//! [`MuxLink`]; per-packet serialization at the
 //! capacity in force at that moment (constant, or the trace's delivery opportunities/rates,
 //! looped); propagation latency and per-packet jitter (never negative); the loss process (i.i.d.
 //! and Gilbert–Elliott chains stepped per packet, outages by the time a packet leaves); QUIC-style
@@ -30,13 +33,15 @@
 //! lost packets before new data; deadlines (a late message is a failure and frees the link at the
 //! deadline) and a connection idle timeout.
 //!
-//! Approximated or left out: no congestion control (a rate-based sender that keeps the bottleneck
-//! full; random loss does not reduce the sending rate), no packet headers, acknowledgements travel
+//! Approximated or left out: congestion control only as BBR's standing queue on a [`MuxLink`]
+//! (a rate-based sender that keeps the bottleneck full; random loss does not reduce the sending
+//! rate; `link/queue.rs` says what of BBR is left out), no packet headers, acknowledgements travel
 //! a lossless reverse path with the same base latency, RTT samples are taken when a packet is sent
-//! rather than when its acknowledgement arrives, and the next queued message cannot use the link
-//! while the current one waits for a probe timeout (one stream at a time). A whole transfer is
-//! computed when it is submitted, which is exact because the link is FIFO and its random
-//! processes are owned by the link.
+//! rather than when its acknowledgement arrives, and on a FIFO [`Link`] the next queued message
+//! cannot use the link while the current one waits for a probe timeout (one stream at a time).
+//! A whole FIFO transfer is computed when it is submitted, which is exact because the link is
+//! FIFO and its random processes are owned by the link; a [`MuxLink`] is advanced in time and
+//! reports admissions and finishes as events.
 
 pub mod clusters;
 pub mod compute;

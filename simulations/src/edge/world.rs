@@ -185,7 +185,7 @@ struct SimNode {
     timer_at: Option<u64>,
     subscribed: bool,
     pending_versions: BTreeMap<u32, PendingVersion>,
-    /// Layers whose version slot is taken (a frame not yet in the aggregator's send window).
+    /// Layers whose version slot is taken (a frame not yet admitted to the node's down link).
     version_busy: BTreeSet<u32>,
     sent_version: Vec<u64>,
     /// fedbuff: the newest global version of each layer received during the local round.
@@ -373,6 +373,8 @@ pub struct World<'a> {
     in_flight: BTreeMap<(LinkRef, u64), links::InFlight>,
     /// The pending wake-up of each link.
     link_wakes: BTreeMap<LinkRef, SimTime>,
+    /// Bytes of each link already counted in `bytes_by_class`.
+    bytes_counted: BTreeMap<LinkRef, u64>,
     bytes_by_class: BTreeMap<String, u64>,
     bytes_total: u64,
     staleness: BTreeMap<u64, u64>,
@@ -707,6 +709,7 @@ impl<'a> World<'a> {
             in_transit: BTreeMap::new(),
             in_flight: BTreeMap::new(),
             link_wakes: BTreeMap::new(),
+            bytes_counted: BTreeMap::new(),
             bytes_by_class: [("aggregator", 0u64), ("cloud", 0), ("edge", 0)]
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
@@ -1589,6 +1592,7 @@ impl<'a> World<'a> {
                 }
                 Event::Churn { index, back } => self.churn(index, back),
                 Event::Eval => {
+                    self.count_all_link_bytes();
                     self.evaluate();
                     progress((now.as_secs_f64() / max_s).min(1.0));
                     self.schedule(now + eval_every, Event::Eval);
@@ -1602,6 +1606,7 @@ impl<'a> World<'a> {
             }
         }
         let end_s = self.now().as_secs_f64();
+        self.count_all_link_bytes();
         if self.series.last().is_none_or(|p| p.time_s < end_s) {
             self.evaluate();
         }

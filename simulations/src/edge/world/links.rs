@@ -110,8 +110,35 @@ impl World<'_> {
         self.pump_link(r);
     }
 
-    /// Handles a link's events and schedules its next wake-up.
+    /// Counts the bytes `r` has serialized since the last count (retransmissions and messages
+    /// still on their way included, as the real relays count what they forwarded).
+    fn count_link_bytes(&mut self, r: LinkRef) {
+        let serialized = self.link_mut(r).bytes_serialized();
+        let counted = self.bytes_counted.entry(r).or_insert(0);
+        let new = serialized - *counted;
+        *counted = serialized;
+        let class = self.class_of(r);
+        *self.bytes_by_class.entry(class.to_string()).or_default() += new;
+        self.bytes_total += new;
+    }
+
+    /// Runs every link up to now and counts its bytes, without handling its events (their
+    /// wake-ups, at or before them, do that): for an evaluation and the end of the run.
+    pub(super) fn count_all_link_bytes(&mut self) {
+        let now = self.now();
+        let links: Vec<LinkRef> = (0..self.nodes.len())
+            .flat_map(|i| [LinkRef::NodeUp(i), LinkRef::NodeDown(i)])
+            .chain((0..self.aggs.len()).flat_map(|a| [LinkRef::AggUp(a), LinkRef::AggDown(a)]))
+            .collect();
+        for r in links {
+            self.link_mut(r).advance_through(now);
+            self.count_link_bytes(r);
+        }
+    }
+
+    /// Handles a link's events, counts its bytes and schedules its next wake-up.
     fn pump_link(&mut self, r: LinkRef) {
+        self.count_link_bytes(r);
         for event in self.link_mut(r).take_events() {
             match event {
                 MuxEvent::Admitted { id, .. } => {
@@ -136,10 +163,6 @@ impl World<'_> {
                     let Some(f) = self.in_flight.remove(&(r, id)) else {
                         continue;
                     };
-                    let class = self.class_of(r);
-                    *self.bytes_by_class.entry(class.to_string()).or_default() +=
-                        transfer.bytes_on_wire;
-                    self.bytes_total += transfer.bytes_on_wire;
                     match transfer.delivered_at {
                         Some(at) => self.schedule(
                             at,
