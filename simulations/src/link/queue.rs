@@ -1,51 +1,67 @@
-//! The standing queue a QUIC sender keeps at a link's bottleneck, as a delay on each packet.
+//! The congestion window of a QUIC sender and the queue it keeps at a link's bottleneck.
 //!
 //! dreamddp's QUIC connections run BBR (quinn's port of BBRv1). BBR paces at its estimate of
-//! the bottleneck bandwidth but lets up to `cwnd = 2 · max_bw · min_rtt` bytes be in flight,
-//! `max_bw` being the largest delivery rate measured over the last ~10 round trips. What the
-//! path itself cannot hold (`rate · min_rtt`) waits in the bottleneck's queue: on a constant
-//! link one extra `min_rtt`; on a bursty trace far more, since `max_bw` follows the bursts
-//! while the mean rate is lower. `dreamddp link-check` measures this queue in the relay: mean
-//! waits of 0.1–0.4 s on a 10 Mbit/s, 30 ms link and 1.8–2.8 s on the ATT LTE uplink trace,
-//! with quinn's window at 170 KB and 530 KB on average.
+//! the bottleneck bandwidth and lets up to `cwnd = 2 · max_bw · min_rtt` bytes be in flight,
+//! `max_bw` being the largest delivery rate measured over the last ~10 round trips. Two things
+//! follow, both measured with `dreamddp link-check` and in `fidelity` runs:
 //!
-//! The simulated sender stays work-conserving (the link's throughput is unchanged); each
-//! packet's arrival is delayed by the queue it would have waited behind:
-//! `queue_bytes = 2 · max_bytes_per_min_rtt − bytes_deliverable(next min_rtt)`, served by the
-//! link's capacity after the packet. The queue builds only while the link is busy: a packet
-//! never waits longer than the link has been busy without a pause (a lone small message on an
-//! idle link sees none). `min_rtt` is the link's base round trip (`2 · latency`).
+//! * **A standing queue.** What the path cannot hold (`rate · round trip`) waits in the
+//!   bottleneck's queue: on a constant link one extra `min_rtt`; on a bursty trace more, since
+//!   `max_bw` follows the bursts. The relay measured mean waits of 0.1–0.4 s on a 10 Mbit/s,
+//!   30 ms link and 1.8–2.8 s on the ATT LTE uplink trace.
+//! * **A window-bound sender when acknowledgements are late.** A connection's acknowledgements
+//!   travel the other direction of the same access link, behind that direction's queue. With a
+//!   round trip far above `min_rtt` the window, not the link, bounds the rate (`cwnd / rtt`): in
+//!   `fidelity-smoke` a device whose uplink held a 2 s queue received 2.7 MB in 45 s over a
+//!   downlink that could carry 25 MB.
+//!
+//! The simulated sender ([`super::MuxLink`]) sends while its bytes in flight (sent, not yet
+//! acknowledged) fit [`Bbr::cwnd`], and delays each packet's arrival by the queue that window
+//! leaves at the bottleneck: `cwnd − bytes the path holds over (min_rtt + reverse delay)`,
+//! served at the link's capacity, never longer than the link has been busy without a pause.
+//! `min_rtt` is the link's base round trip (`2 · latency`); the reverse delay is the other
+//! direction's current queue, which the owner of both directions sets
+//! ([`super::MuxLink::set_reverse_delay`]).
 //!
 //! Approximations: no startup overshoot, no ProbeRTT drain, no loss-triggered recovery window,
 //! no ack-aggregation allowance (quinn adds the largest recent ack burst to its window, which
-//! is why its measured windows exceed `2 · BDP`); the queue is recomputed per `min_rtt` slot.
+//! is why its measured windows exceed `2 · BDP`); the estimate is recomputed per `min_rtt` slot.
 
 use super::Capacity;
-use crate::time::{SimDuration, SimTime};
+use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
 use crate::trace::TraceCursor;
 
 /// Round trips over which the bandwidth estimate keeps its maximum (BBR's filter length).
 const BANDWIDTH_FILTER_ROUNDS: u64 = 10;
+/// BBR's window gain in steady state.
+const CWND_GAIN: u64 = 2;
+/// Smallest window, in packets (quinn's minimum window).
+const MIN_CWND_PACKETS: u64 = 4;
 
-/// State of one link's standing queue.
+/// One direction's BBR window and standing queue.
 #[derive(Clone, Debug)]
-pub(super) struct StandingQueue {
+pub(super) struct Bbr {
     min_rtt: SimDuration,
+    mtu: u64,
+    /// Delay the acknowledgements see on the other direction (its queue), set by the owner.
+    reverse_delay: SimDuration,
     /// Start of the current busy period (packets back to back since then).
     busy_since: SimTime,
     /// End of the last packet's serialization.
     last_end: SimTime,
-    /// The slot (`time / min_rtt`) the cached wait belongs to, and the wait.
-    cached: Option<(u64, SimDuration)>,
+    /// The slot (`time / min_rtt`) the cached estimate belongs to: (window, queue wait).
+    cached: Option<(u64, SimDuration, u64, SimDuration)>,
     /// Summed delay added to packets, and the packets.
     total_wait: SimDuration,
     packets: u64,
 }
 
-impl StandingQueue {
-    pub(super) fn new(latency: SimDuration) -> StandingQueue {
-        StandingQueue {
+impl Bbr {
+    pub(super) fn new(latency: SimDuration, mtu: u64) -> Bbr {
+        Bbr {
             min_rtt: latency * 2,
+            mtu,
+            reverse_delay: SimDuration::ZERO,
             busy_since: SimTime::ZERO,
             last_end: SimTime::ZERO,
             cached: None,
@@ -54,9 +70,36 @@ impl StandingQueue {
         }
     }
 
+    pub(super) fn set_reverse_delay(&mut self, delay: SimDuration) {
+        self.reverse_delay = delay;
+    }
+
+    pub(super) fn reverse_delay(&self) -> SimDuration {
+        self.reverse_delay
+    }
+
     /// Mean delay added per packet so far.
     pub(super) fn mean_wait(&self) -> SimDuration {
         SimDuration(self.total_wait.as_nanos() / self.packets.max(1))
+    }
+
+    /// The queue a packet sent now would wait behind: the last estimate while the link is
+    /// still busy at `now`, else none.
+    pub(super) fn current_wait(&self, now: SimTime) -> SimDuration {
+        match self.cached {
+            Some((_, _, _, wait)) if self.last_end >= now => {
+                wait.min(self.last_end.saturating_since(self.busy_since))
+            }
+            _ => SimDuration::ZERO,
+        }
+    }
+
+    /// The window at `t`, bytes (`u64::MAX` on a link without latency: no window bound).
+    pub(super) fn cwnd(&mut self, capacity: &Capacity, cursor: &TraceCursor, t: SimTime) -> u64 {
+        if self.min_rtt.as_nanos() == 0 {
+            return u64::MAX;
+        }
+        self.estimate(capacity, cursor, t).0
     }
 
     /// The queueing delay of a packet serialized from `start` to `end` on `capacity`, whose
@@ -72,36 +115,47 @@ impl StandingQueue {
             self.busy_since = start;
         }
         self.last_end = end;
-        let m = self.min_rtt.as_nanos();
-        if m == 0 {
+        if self.min_rtt.as_nanos() == 0 {
             return SimDuration::ZERO;
         }
-        let slot = end.as_nanos() / m;
-        let full = match self.cached {
-            Some((s, wait)) if s == slot => wait,
-            _ => {
-                let wait = self.slot_wait(capacity, cursor, slot, end);
-                self.cached = Some((slot, wait));
-                wait
-            }
-        };
+        let full = self.estimate(capacity, cursor, end).1;
         let wait = full.min(end.saturating_since(self.busy_since));
         self.total_wait = self.total_wait + wait;
         self.packets += 1;
         wait
     }
 
-    fn slot_wait(
-        &self,
+    /// (window, queue wait) for the `min_rtt` slot holding `t`.
+    fn estimate(
+        &mut self,
         capacity: &Capacity,
         cursor: &TraceCursor,
-        slot: u64,
-        end: SimTime,
-    ) -> SimDuration {
+        t: SimTime,
+    ) -> (u64, SimDuration) {
         let m = self.min_rtt.as_nanos();
-        match capacity {
-            // max_bw is the rate: one min_rtt of queue.
-            Capacity::Constant { .. } => self.min_rtt,
+        let slot = t.as_nanos() / m;
+        let round_trip = self.min_rtt + self.reverse_delay;
+        if let Some((s, rt, cwnd, wait)) = self.cached {
+            if s == slot && rt == round_trip {
+                return (cwnd, wait);
+            }
+        }
+        let floor = MIN_CWND_PACKETS * self.mtu;
+        let (cwnd, wait) = match capacity {
+            Capacity::Constant { bits_per_sec } => {
+                let bytes_in = |d: SimDuration| {
+                    u64::try_from(
+                        u128::from(*bits_per_sec) * u128::from(d.as_nanos())
+                            / (8 * u128::from(NANOS_PER_SEC)),
+                    )
+                    .unwrap_or(u64::MAX)
+                };
+                let cwnd = (CWND_GAIN * bytes_in(self.min_rtt)).max(floor);
+                let queue = cwnd.saturating_sub(bytes_in(round_trip));
+                let nanos =
+                    u128::from(queue) * 8 * u128::from(NANOS_PER_SEC) / u128::from(*bits_per_sec);
+                (cwnd, SimDuration(u64::try_from(nanos).unwrap_or(u64::MAX)))
+            }
             Capacity::Trace(trace) => {
                 let slot_bytes = |k: u64| {
                     let from = SimTime::from_nanos(k.saturating_mul(m));
@@ -109,16 +163,21 @@ impl StandingQueue {
                 };
                 let first = slot.saturating_sub(BANDWIDTH_FILTER_ROUNDS - 1);
                 let max_bytes = (first..=slot).map(slot_bytes).max().unwrap_or(0);
-                let pipe = trace.bytes_deliverable(end, end + self.min_rtt);
-                let queue = (2 * max_bytes).saturating_sub(pipe);
-                if queue == 0 {
-                    return SimDuration::ZERO;
-                }
-                let mut ahead = *cursor;
-                trace
-                    .transmit(&mut ahead, end, queue)
-                    .map_or(SimDuration::ZERO, |served| served.saturating_since(end))
+                let cwnd = (CWND_GAIN * max_bytes).max(floor);
+                let pipe = trace.bytes_deliverable(t, t + round_trip);
+                let queue = cwnd.saturating_sub(pipe);
+                let wait = if queue == 0 {
+                    SimDuration::ZERO
+                } else {
+                    let mut ahead = *cursor;
+                    trace
+                        .transmit(&mut ahead, t, queue)
+                        .map_or(SimDuration::ZERO, |served| served.saturating_since(t))
+                };
+                (cwnd, wait)
             }
-        }
+        };
+        self.cached = Some((slot, round_trip, cwnd, wait));
+        (cwnd, wait)
     }
 }

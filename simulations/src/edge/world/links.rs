@@ -6,6 +6,10 @@
 //! the real aggregator's `send_version` frees it when QUIC has buffered it; newer versions wait
 //! in the slot, the newest replacing the older).
 //!
+//! Each link's acknowledgements wait behind the other direction's standing queue
+//! ([`MuxLink::set_reverse_delay`], kept current at every submission and wake-up), which
+//! lengthens the round trip its BBR window must cover.
+//!
 //! The windows are the real processes': on a node's links (both directions), the node's
 //! connection window, sized from its access link as `dreamddp cluster` sizes it
 //! ([`node_window`]): its send window bounds what it has buffered for the aggregator, its
@@ -86,6 +90,7 @@ impl World<'_> {
     ) {
         let now = self.now();
         let r = Self::route(&cargo, hop);
+        self.sync_reverse_delay(r);
         let id = self.link_mut(r).submit(now, bytes, deadline);
         self.in_flight.insert(
             (r, id),
@@ -106,8 +111,23 @@ impl World<'_> {
         }
         self.link_wakes.remove(&r);
         let now = self.now();
+        self.sync_reverse_delay(r);
         self.link_mut(r).advance_through(now);
         self.pump_link(r);
+    }
+
+    /// Tells `r` how long its acknowledgements now wait on the other direction of the same
+    /// access link (that direction's standing queue).
+    fn sync_reverse_delay(&mut self, r: LinkRef) {
+        let other = match r {
+            LinkRef::NodeUp(i) => LinkRef::NodeDown(i),
+            LinkRef::NodeDown(i) => LinkRef::NodeUp(i),
+            LinkRef::AggUp(a) => LinkRef::AggDown(a),
+            LinkRef::AggDown(a) => LinkRef::AggUp(a),
+        };
+        let now = self.now();
+        let delay = self.link_mut(other).current_queue_wait(now);
+        self.link_mut(r).set_reverse_delay(delay);
     }
 
     /// Counts the bytes `r` has serialized since the last count (retransmissions and messages
