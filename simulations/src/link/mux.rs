@@ -682,7 +682,7 @@ mod tests {
                     .send(SimTime::ZERO, MB, None);
                 let mut l = mux(&spec, seed, 4 * MB);
                 let id = l.submit(SimTime::ZERO, MB, None);
-                let (done, wakes) = drain(&mut l);
+                let (done, _) = drain(&mut l);
                 assert_eq!(done[&id].bytes_on_wire, fifo.bytes_on_wire);
                 if loss == 0.0 {
                     // Busy for 80 ms: BBR's queue of up to one base round trip (20 ms) has
