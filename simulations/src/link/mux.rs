@@ -14,12 +14,13 @@
 //!   caller may reuse its buffer slot, as the real sender's write returns) when the bytes of the
 //!   admitted, unfinished messages plus its own fit the window, or when nothing else is
 //!   admitted; messages are admitted in submission order.
-//! * At each sending opportunity (the end of the previous packet's serialization) the link
-//!   sends, in this order: the oldest declared-lost packet whose retransmission is due, else the
+//! * At each sending opportunity (the end of the previous packet's serialization, once BBR's
+//!   window has room for another packet: [`super::queue`]) the link sends, in this order: the oldest declared-lost packet whose retransmission is due, else the
 //!   next new packet of the admitted message at the front of the round-robin, which then moves
 //!   to the back. Packets, loss, jitter, outages, trace capacity, the RTT estimator and loss
 //!   detection (packet threshold counted over the whole connection, probe timeouts with
-//!   backoff) are [`Link`]'s.
+//!   backoff) are [`Link`]'s; each packet's arrival is delayed by the sender's standing queue
+//!   and its acknowledgement by the other direction's ([`MuxLink::set_reverse_delay`]).
 //! * A message is *finished* when its last packet is delivered (its `delivered_at` is that
 //!   packet's arrival, possibly later than the decision), when its deadline passes first, or
 //!   when the connection dies: no acknowledgement for `idle_timeout_s` fails every admitted
@@ -739,7 +740,10 @@ mod tests {
         let at = drain(&mut l).0[&id].delivered_at.unwrap();
         // BBR's window (2 · 100 Mbit/s · 20 ms = 500 KB) goes at once, then the sender waits
         // about a second for its acknowledgements: 1 MB takes more than one round trip.
-        assert!(at > SimTime::from_secs(1) && at < SimTime::from_secs(3), "{at}");
+        assert!(
+            at > SimTime::from_secs(1) && at < SimTime::from_secs(3),
+            "{at}"
+        );
         // Without the reverse delay it is the link's 80 ms plus latency and queue.
         let mut l = mux(&fast_link(), 1, 16 * MB);
         let id = l.submit(SimTime::ZERO, MB, None);

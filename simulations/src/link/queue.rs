@@ -8,7 +8,7 @@
 //! * **A standing queue.** What the path cannot hold (`rate · round trip`) waits in the
 //!   bottleneck's queue: on a constant link one extra `min_rtt`; on a bursty trace more, since
 //!   `max_bw` follows the bursts. The relay measured mean waits of 0.1–0.4 s on a 10 Mbit/s,
-//!   30 ms link and 1.8–2.8 s on the ATT LTE uplink trace.
+//!   30 ms link and 1.8–3.4 s on the ATT LTE uplink trace.
 //! * **A window-bound sender when acknowledgements are late.** A connection's acknowledgements
 //!   travel the other direction of the same access link, behind that direction's queue. With a
 //!   round trip far above `min_rtt` the window, not the link, bounds the rate (`cwnd / rtt`): in
