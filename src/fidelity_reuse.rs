@@ -75,3 +75,94 @@ pub fn recorded(
         .collect::<Result<_>>()?;
     Ok((real, rows))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scenario_cluster::{load, ScenarioOverrides};
+    use simulations::report::StrategyResult;
+
+    fn result(strategy: &str) -> StrategyResult {
+        serde_json::from_value(serde_json::json!({
+            "strategy": strategy,
+            "time_to_target_s": 12.0,
+            "final_accuracy": 0.9,
+            "final_loss": 0.3,
+            "virtual_seconds": 45.0,
+            "bytes_sent": 1000,
+            "bytes_by_link_class": {"edge": 1000},
+            "weak_sync_events": 0,
+            "undelivered_deltas": 0,
+            "cached_at_end": 0,
+            "staleness_histogram": {},
+            "mean_step_s": 0.1,
+            "series": [],
+            "timeline": []
+        }))
+        .expect("a StrategyResult")
+    }
+
+    fn write_recorded(dir: &Path, toml: &str, seed: u64, strategies: &[&str]) {
+        let real = dir.join("real");
+        std::fs::create_dir_all(&real).unwrap();
+        let summary = SimSummary {
+            scenario: "fidelity-smoke".into(),
+            seed,
+            scenario_toml: toml.into(),
+            target: "accuracy >= 0.85".into(),
+            strategies: strategies.iter().map(|s| result(s)).collect(),
+        };
+        std::fs::write(
+            real.join("summary.json"),
+            serde_json::to_string(&summary).unwrap(),
+        )
+        .unwrap();
+        for s in strategies {
+            std::fs::create_dir_all(real.join(s)).unwrap();
+            std::fs::write(
+                real.join(s).join("summary.json"),
+                r#"{"nodes": [{"pace_overruns": 2}, {"pace_overruns": null}], "problems": ["edge-1 lost"]}"#,
+            )
+            .unwrap();
+        }
+    }
+
+    #[test]
+    fn a_recorded_real_run_is_read_back_and_a_mismatch_is_named() {
+        let loaded = load("fidelity-smoke", &ScenarioOverrides::default()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let sims = [result("elastic")];
+        // Nothing recorded: the error names the file it looked for.
+        let err = recorded(dir.path(), &loaded, &sims)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("real/summary.json"), "{err}");
+        // Another scenario text: refused.
+        write_recorded(dir.path(), "other", loaded.scenario.seed, &["elastic"]);
+        let err = recorded(dir.path(), &loaded, &sims)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("another scenario text or seed"), "{err}");
+        // The same text, but not the strategy asked for: the error lists what is there.
+        write_recorded(
+            dir.path(),
+            &loaded.text,
+            loaded.scenario.seed,
+            &["blocking"],
+        );
+        let err = recorded(dir.path(), &loaded, &sims)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("no real run of elastic") && err.contains("blocking"),
+            "{err}"
+        );
+        // A match: compared cell by cell, with the run's overruns and problems.
+        write_recorded(dir.path(), &loaded.text, loaded.scenario.seed, &["elastic"]);
+        let (real, rows) = recorded(dir.path(), &loaded, &sims).unwrap();
+        assert_eq!(real.strategies.len(), 1);
+        assert_eq!(rows[0].time_to_target_error, Some(0.0));
+        assert_eq!(rows[0].real_pace_overruns, 2);
+        assert_eq!(rows[0].real_problems, vec!["edge-1 lost".to_string()]);
+    }
+}
