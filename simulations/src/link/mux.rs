@@ -7,7 +7,8 @@
 //! streams' data round-robin, a packet each (quinn's `send_fairness`). Measured with
 //! `dreamddp link-check`, the FIFO link completed up to four times more whole messages in the
 //! same window than QUIC through a relay replaying the same link, while the bytes on the wire
-//! agreed within 1–11 %: the difference is the interleaving, which [`MuxLink`] models.
+//! agreed within 1–11 %. [`MuxLink`] models the interleaving; [`super::queue`] the sender's
+//! window and the queue it keeps, the rest of the difference.
 //!
 //! # Model
 //! * A message is *submitted* with its size and an optional deadline. It is *admitted* (the
@@ -15,9 +16,9 @@
 //!   admitted, unfinished messages plus its own fit the window, or when nothing else is
 //!   admitted; messages are admitted in submission order.
 //! * At each sending opportunity (the end of the previous packet's serialization, once BBR's
-//!   window has room for another packet: [`super::queue`]) the link sends, in this order: the oldest declared-lost packet whose retransmission is due, else the
-//!   next new packet of the admitted message at the front of the round-robin, which then moves
-//!   to the back. Packets, loss, jitter, outages, trace capacity, the RTT estimator and loss
+//!   window has room for another packet: [`super::queue`]) the link sends, in this order: the
+//!   oldest declared-lost packet whose retransmission is due, else the next new packet of the
+//!   admitted message at the front of the round-robin, which then moves to the back. Packets, loss, jitter, outages, trace capacity, the RTT estimator and loss
 //!   detection (packet threshold counted over the whole connection, probe timeouts with
 //!   backoff) are [`Link`]'s; each packet's arrival is delayed by the sender's standing queue
 //!   and its acknowledgement by the other direction's ([`MuxLink::set_reverse_delay`]).
