@@ -1,0 +1,268 @@
+//! Tests of the multiplexed link: sharing, the window, deadlines, the idle timeout,
+//! determinism, and (proptest) that no event comes before its wake-up.
+use super::*;
+use crate::link::{Bandwidth, LinkSpec};
+use crate::rng::SimRng;
+use proptest::prelude::*;
+
+const MB: u64 = 1_000_000;
+
+fn mux(spec: &LinkSpec, seed: u64, window: u64) -> MuxLink {
+    let link = Link::new(spec, None, &SimRng::new(seed).fork("link:test")).unwrap();
+    MuxLink::new(link, window)
+}
+
+fn fast_link() -> LinkSpec {
+    LinkSpec::constant(Bandwidth::from_mbit(100), 10.0)
+}
+
+fn ms(v: u64) -> SimTime {
+    SimTime::from_millis(v)
+}
+
+/// Drives the link like a caller: wakes when asked until everything finished; returns the
+/// finished transfers by id and the number of wakes.
+fn drain(l: &mut MuxLink) -> (BTreeMap<u64, Transfer>, usize) {
+    let mut done = BTreeMap::new();
+    let mut wakes = 0;
+    let mut last = SimTime::ZERO;
+    loop {
+        for e in l.take_events() {
+            if let MuxEvent::Finished { id, at, transfer } = e {
+                assert!(at >= last, "an event at {at} came after the wake at {last}");
+                done.insert(id, transfer);
+            }
+        }
+        let Some(w) = l.next_wake() else { break };
+        assert!(w >= last, "wakes go forward");
+        last = w;
+        wakes += 1;
+        assert!(wakes < 100_000, "no progress");
+        l.advance_through(w);
+    }
+    (done, wakes)
+}
+
+#[test]
+fn one_message_alone_is_the_fifo_link_plus_the_standing_queue() {
+    for loss in [0.0, 0.05] {
+        let mut spec = fast_link();
+        spec.loss = loss;
+        spec.jitter_ms = 1.0;
+        for seed in 0..5 {
+            let fifo = Link::new(&spec, None, &SimRng::new(seed).fork("link:test"))
+                .unwrap()
+                .send(SimTime::ZERO, MB, None);
+            let mut l = mux(&spec, seed, 4 * MB);
+            let id = l.submit(SimTime::ZERO, MB, None);
+            let (done, _) = drain(&mut l);
+            assert_eq!(done[&id].bytes_on_wire, fifo.bytes_on_wire);
+            if loss == 0.0 {
+                // Busy for 80 ms: BBR's queue of up to one base round trip (20 ms) has
+                // built up (less where its window held the sender back for a moment).
+                let (a, b) = (done[&id].delivered_at.unwrap(), fifo.delivered_at.unwrap());
+                assert!(a > b && a <= b + SimDuration::from_millis(20), "{a} vs {b}");
+            } else {
+                let (a, b) = (done[&id].delivered_at.unwrap(), fifo.delivered_at.unwrap());
+                assert!(a.as_millis_f64() <= 1.5 * b.as_millis_f64(), "{a} vs {b}");
+            }
+        }
+    }
+    // A lone small message on an idle link builds no queue worth the name.
+    let mut l = mux(&fast_link(), 1, 4 * MB);
+    let id = l.submit(SimTime::from_secs(10), 15_000, None);
+    let at = drain(&mut l).0[&id].delivered_at.unwrap();
+    assert!(
+        at - SimTime::from_secs(10) < SimDuration::from_millis(13),
+        "{at}"
+    );
+}
+
+#[test]
+fn messages_share_the_link_round_robin() {
+    let mut l = mux(&fast_link(), 1, 16 * MB);
+    let a = l.submit(SimTime::ZERO, MB, None);
+    let b = l.submit(SimTime::ZERO, MB, None);
+    let small = l.submit(ms(40), 15_000, None);
+    let (done, _) = drain(&mut l);
+    // Two 80 ms messages interleaved: both end near 160 ms, not at 80 and 160.
+    let (ta, tb) = (
+        done[&a].delivered_at.unwrap(),
+        done[&b].delivered_at.unwrap(),
+    );
+    assert!(ta > ms(180) && tb > ms(180) && ta <= tb, "{ta} {tb}");
+    // Everything (2.015 MB) is through at 161.2 ms; the last packet arrives 10 ms of
+    // latency and 20 ms of standing queue later (BBR's window, 2 · BDP, holds the sender
+    // back by a fraction of a millisecond).
+    let through = ms(191) + SimDuration::from_micros(200);
+    assert!(
+        tb >= through && tb < through + SimDuration::from_millis(1),
+        "{tb}"
+    );
+    // A small message submitted later gets its share at once instead of waiting.
+    let ts = done[&small].delivered_at.unwrap();
+    assert!(ts < ms(75), "{ts}");
+}
+
+#[test]
+fn late_acknowledgements_bound_the_sender_by_its_window() {
+    let mut l = mux(&fast_link(), 1, 16 * MB);
+    l.set_reverse_delay(SimDuration::from_secs(1));
+    let id = l.submit(SimTime::ZERO, MB, None);
+    let at = drain(&mut l).0[&id].delivered_at.unwrap();
+    // BBR's window (2 · 100 Mbit/s · 20 ms = 500 KB) goes at once, then the sender waits
+    // about a second for its acknowledgements: 1 MB takes more than one round trip.
+    assert!(
+        at > SimTime::from_secs(1) && at < SimTime::from_secs(3),
+        "{at}"
+    );
+    // Without the reverse delay it is the link's 80 ms plus latency and queue.
+    let mut l = mux(&fast_link(), 1, 16 * MB);
+    let id = l.submit(SimTime::ZERO, MB, None);
+    assert!(drain(&mut l).0[&id].delivered_at.unwrap() < ms(115));
+}
+
+#[test]
+fn the_window_bounds_what_is_admitted() {
+    let mut l = mux(&fast_link(), 1, MB + MB / 2);
+    let a = l.submit(SimTime::ZERO, MB, None);
+    let b = l.submit(SimTime::ZERO, MB, None);
+    let admitted: Vec<_> = l.take_events();
+    assert_eq!(
+        admitted,
+        vec![MuxEvent::Admitted {
+            id: a,
+            at: SimTime::ZERO
+        }]
+    );
+    let (done, _) = drain(&mut l);
+    // b waited for a: FIFO behaviour when the window holds one message.
+    let near = |t: Option<SimTime>, at: SimTime| {
+        t.is_some_and(|t| t >= at && t < at + SimDuration::from_millis(1))
+    };
+    assert!(near(done[&a].delivered_at, ms(110)), "{:?}", done[&a]);
+    assert!(near(Some(done[&b].started_at), ms(80)), "{:?}", done[&b]);
+    assert!(near(done[&b].delivered_at, ms(190)), "{:?}", done[&b]);
+}
+
+#[test]
+fn deadlines_fail_messages_and_give_back_the_link() {
+    let mut l = mux(&fast_link(), 4, 16 * MB);
+    let slow = l.submit(SimTime::ZERO, MB, Some(ms(50)));
+    let (done, _) = drain(&mut l);
+    assert_eq!(done[&slow].failure, Some(TransferFailure::DeadlineMissed));
+    assert_eq!(done[&slow].link_free_at, ms(50));
+    // The next message starts at the deadline.
+    let next = l.submit(SimTime::ZERO, 15_000, None);
+    let (done, _) = drain(&mut l);
+    assert_eq!(done[&next].started_at, ms(50));
+    // The link has been busy since 0: the standing queue (20 ms) is there.
+    assert_eq!(
+        done[&next].delivered_at,
+        Some(ms(81) + SimDuration::from_micros(200))
+    );
+}
+
+#[test]
+fn total_loss_ends_every_message_with_the_idle_timeout() {
+    let mut spec = fast_link();
+    spec.loss = 1.0;
+    spec.idle_timeout_s = 2.0;
+    let mut l = mux(&spec, 5, 16 * MB);
+    l.submit(SimTime::ZERO, 30_000, None);
+    l.submit(ms(100), 30_000, None);
+    let (done, _) = drain(&mut l);
+    assert_eq!(done.len(), 2);
+    for t in done.values() {
+        assert_eq!(t.failure, Some(TransferFailure::IdleTimeout));
+    }
+    // After a quiet spell the connection starts over.
+    let mut spec = fast_link();
+    spec.idle_timeout_s = 2.0;
+    let mut l = mux(&spec, 5, 16 * MB);
+    let late = l.submit(SimTime::from_secs(60), 30_000, None);
+    let (done, _) = drain(&mut l);
+    assert!(done[&late].is_delivered());
+}
+
+#[test]
+fn same_seed_same_outcomes() {
+    let mut spec = fast_link();
+    spec.loss = 0.03;
+    spec.jitter_ms = 2.0;
+    let run = |seed: u64| {
+        let mut l = mux(&spec, seed, 4 * MB);
+        let mut all = BTreeMap::new();
+        for i in 0..20u64 {
+            l.advance_through(ms(i * 40));
+            l.submit(ms(i * 40), 200_000 + i * 1000, Some(ms(i * 40 + 200)));
+            for e in l.take_events() {
+                if let MuxEvent::Finished { id, transfer, .. } = e {
+                    all.insert(id, transfer);
+                }
+            }
+        }
+        all.extend(drain(&mut l).0);
+        all
+    };
+    assert_eq!(run(5), run(5));
+    assert_ne!(run(5), run(6));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn events_never_come_before_their_wake_and_respect_physics(
+        seed in 0u64..1000,
+        mbit in 1u64..200,
+        latency_ms in 0.0f64..50.0,
+        loss in 0.0f64..0.2,
+        window in 100_000u64..4_000_000,
+        sizes in proptest::collection::vec((0u64..300_000, 0u64..100, proptest::option::of(50u64..2000)), 1..12),
+    ) {
+        let spec = LinkSpec { loss, ..LinkSpec::constant(Bandwidth::from_mbit(mbit), latency_ms) };
+        let latency = SimDuration::try_from_millis_f64(latency_ms).unwrap();
+        let mut l = mux(&spec, seed, window);
+        let mut now = SimTime::ZERO;
+        let mut submitted = BTreeMap::new();
+        let mut finished = BTreeMap::new();
+        for (bytes, gap_ms, deadline_ms) in sizes {
+            let next = now + SimDuration::from_millis(gap_ms);
+            // Wake as the link asks until the next submission.
+            while let Some(w) = l.next_wake() {
+                if w >= next { break; }
+                l.advance_through(w);
+                for e in l.take_events() {
+                    if let MuxEvent::Finished { id, at, transfer } = e {
+                        prop_assert!(at >= w, "event at {} before its wake {}", at, w);
+                        finished.insert(id, transfer);
+                    }
+                }
+            }
+            now = next;
+            let deadline = deadline_ms.map(|d| now + SimDuration::from_millis(d));
+            let id = l.submit(now, bytes, deadline);
+            submitted.insert(id, (now, bytes, deadline));
+            for e in l.take_events() {
+                if let MuxEvent::Finished { id, at, transfer } = e {
+                    prop_assert!(at >= now, "event at {} decided before submit {}", at, now);
+                    finished.insert(id, transfer);
+                }
+            }
+        }
+        finished.extend(drain(&mut l).0);
+        prop_assert_eq!(finished.len(), submitted.len());
+        for (id, t) in &finished {
+            let (at, bytes, deadline) = submitted[id];
+            prop_assert!(t.packets_sent >= t.packets_lost);
+            prop_assert_eq!(t.packets_sent, t.packets_sent.min(t.packets + t.retransmissions));
+            if let Some(d) = t.delivered_at {
+                prop_assert!(d >= at + latency);
+                prop_assert!(t.bytes_on_wire >= bytes);
+                prop_assert!(deadline.is_none_or(|dl| d <= dl));
+            } else {
+                prop_assert!(deadline.is_some(), "only deadlines fail a link with loss < 1");
+            }
+        }
+    }
+}
