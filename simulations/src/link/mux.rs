@@ -191,11 +191,6 @@ impl MuxLink {
         &self.link
     }
 
-    /// The send window, bytes.
-    pub fn window(&self) -> u64 {
-        self.window
-    }
-
     /// Bytes serialized so far (retransmissions and unfinished messages included).
     pub fn bytes_serialized(&self) -> u64 {
         self.serialized
@@ -215,11 +210,6 @@ impl MuxLink {
     /// lengthens this sender's round trip, which its window then bounds.
     pub fn set_reverse_delay(&mut self, delay: SimDuration) {
         self.bbr.set_reverse_delay(delay);
-    }
-
-    /// Messages submitted and not finished.
-    pub fn in_flight(&self) -> usize {
-        self.streams.len()
     }
 
     /// Hands a message of `bytes` to the link at `now` (after everything before `now`
