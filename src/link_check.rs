@@ -33,7 +33,7 @@ use simulations::edge::plan_edge;
 use simulations::{Link, LinkSpec, MuxEvent, MuxLink, SimRng, SimTime};
 use transport::certs::create_cluster_certs;
 use transport::config::TransportSection;
-use transport::{QuicNode, TlsIdentity, TransportConfig};
+use transport::{PeerConnection, QuicNode, TlsIdentity, TransportConfig};
 
 use crate::cluster_file::{direction_mbps, relay_link_figures};
 use crate::scenario_cluster::{load, scenario_relay, ScenarioOverrides};
@@ -56,6 +56,11 @@ pub struct LinkCheckArgs {
     /// message is in the send window, so more may be on the link).
     #[arg(long, default_value_t = 1)]
     pub streams: usize,
+    /// Also send the same stream down the link at the same time (from the receiving side),
+    /// as an aggregator's layer versions share a device's link with its deltas: each
+    /// direction's acknowledgements then wait behind the other's queue.
+    #[arg(long)]
+    pub both_ways: bool,
     /// Where to write the JSON report.
     #[arg(long, default_value = "link-check.json")]
     pub out: PathBuf,
@@ -98,6 +103,34 @@ pub struct LinkCheckRow {
     /// Why the real connection stopped before the window ended (e.g. an outage longer than
     /// the idle timeout); its figures are up to that point.
     pub real_error: Option<String>,
+    /// With `--both-ways`: the same figures for the down direction, sent at the same time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub down: Option<DirectionFigures>,
+}
+
+/// One direction of a `--both-ways` check (the up direction's are the row's own fields).
+#[derive(Debug, Serialize)]
+pub struct DirectionFigures {
+    /// The link, as the scenario gives it.
+    pub link: String,
+    /// Payload the simulator delivered by the deadline, MB.
+    pub simulated_mb: f64,
+    /// Bytes the simulator serialized by the deadline, MB.
+    pub simulated_wire_mb: f64,
+    /// Mean delay the simulator's standing queue added to a packet, ms.
+    pub simulated_queue_wait_ms: f64,
+    /// Payload the real transport delivered by the deadline, MB.
+    pub real_mb: f64,
+    /// Bytes the relay forwarded in this direction, MB.
+    pub real_wire_mb: f64,
+    /// Mean wait of a real datagram in the relay's queue, ms.
+    pub real_queue_wait_ms: f64,
+    /// The longest such wait, ms.
+    pub real_queue_wait_max_ms: f64,
+    /// The real sender's congestion window, sampled every 100 ms: mean, KB.
+    pub real_cwnd_mean_kb: f64,
+    /// Its largest sample, KB.
+    pub real_cwnd_max_kb: f64,
 }
 
 /// Runs the check.
@@ -185,9 +218,33 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
             .wrapping_mul(1000)
             .wrapping_add(i as u64);
         let window = sender_config(up, down, seed)?.send_window;
+        let sim = simulated(
+            up,
+            args.both_ways.then_some(down),
+            &frames,
+            args.seconds,
+            seed,
+            window,
+            args.streams,
+        )?;
         let (sim_mb, sim_wire_mb, sim_queue_ms) =
-            simulated(up, &frames, args.seconds, seed, window, args.streams)?;
+            (sim[0].delivered_mb, sim[0].wire_mb, sim[0].queue_wait_ms);
         let real = runtime.block_on(real(up, down, &messages, args, seed))?;
+        let down_figures = match (sim.get(1), &real.down) {
+            (Some(s), Some(r)) => Some(DirectionFigures {
+                link: describe(down),
+                simulated_mb: s.delivered_mb,
+                simulated_wire_mb: s.wire_mb,
+                simulated_queue_wait_ms: s.queue_wait_ms,
+                real_mb: r.delivered_mb,
+                real_wire_mb: r.wire_mb,
+                real_queue_wait_ms: r.queue_wait_ms,
+                real_queue_wait_max_ms: r.queue_wait_max_ms,
+                real_cwnd_mean_kb: r.cwnd_mean_kb,
+                real_cwnd_max_kb: r.cwnd_max_kb,
+            }),
+            _ => None,
+        };
         let row = LinkCheckRow {
             node: node.clone(),
             link: describe(up),
@@ -196,19 +253,20 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
             simulated_mb: sim_mb,
             simulated_wire_mb: sim_wire_mb,
             simulated_queue_wait_ms: sim_queue_ms,
-            real_mb: real.delivered_mb,
-            real_wire_mb: real.wire_mb,
+            real_mb: real.up.delivered_mb,
+            real_wire_mb: real.up.wire_mb,
             real_drops: real.drops,
-            real_queue_wait_ms: real.queue_wait_ms,
-            real_queue_wait_max_ms: real.queue_wait_max_ms,
-            real_cwnd_mean_kb: real.cwnd_mean_kb,
-            real_cwnd_max_kb: real.cwnd_max_kb,
+            real_queue_wait_ms: real.up.queue_wait_ms,
+            real_queue_wait_max_ms: real.up.queue_wait_max_ms,
+            real_cwnd_mean_kb: real.up.cwnd_mean_kb,
+            real_cwnd_max_kb: real.up.cwnd_max_kb,
             real_over_simulated: if sim_mb > 0.0 {
-                real.delivered_mb / sim_mb
+                real.up.delivered_mb / sim_mb
             } else {
                 f64::NAN
             },
             real_error: real.error,
+            down: down_figures,
         };
         println!(
             "  {:<8} {:<44} capacity {:>7.2} MB  simulated {:>7.2} MB (wire {:>7.2}, queue wait mean {:.0} ms)  real {:>7.2} MB \
@@ -229,6 +287,23 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
             row.real_cwnd_max_kb,
             row.real_over_simulated
         );
+        if let Some(d) = &row.down {
+            println!(
+                "  {:<8} down {:<39} simulated {:>7.2} MB (wire {:>7.2}, queue wait mean {:.0} ms)  real {:>7.2} MB \
+                 (relay forwarded {:>7.2}, queue wait mean {:.0} ms, max {:.0} ms, cwnd mean {:.0} KB, max {:.0} KB)",
+                row.node,
+                d.link,
+                d.simulated_mb,
+                d.simulated_wire_mb,
+                d.simulated_queue_wait_ms,
+                d.real_mb,
+                d.real_wire_mb,
+                d.real_queue_wait_ms,
+                d.real_queue_wait_max_ms,
+                d.real_cwnd_mean_kb,
+                d.real_cwnd_max_kb
+            );
+        }
         if let Some(e) = &row.real_error {
             println!("           the real connection stopped early: {e}");
         }
@@ -266,68 +341,124 @@ fn capacity_mb(spec: &LinkSpec, seconds: f64) -> Result<f64> {
         .map_or(f64::NAN, |mbps| mbps * 1e6 / 8.0 * seconds / 1e6))
 }
 
-/// Payload delivered and bytes serialized by the simulator's link by `seconds`, MB, and the
-/// mean standing-queue delay of a packet, ms: `streams` sends outstanding, each returning when
-/// its message enters the `window`.
+/// One direction's simulated figures: payload delivered by the deadline, bytes serialized,
+/// MB, and the mean standing-queue delay of a packet, ms.
+#[derive(Clone, Copy, Debug)]
+struct Simulated {
+    delivered_mb: f64,
+    wire_mb: f64,
+    queue_wait_ms: f64,
+}
+
+/// One simulated sender: its link and the sends it has outstanding.
+struct SimSender {
+    link: MuxLink,
+    outstanding: usize,
+    delivered: u64,
+    next: usize,
+}
+
+impl SimSender {
+    /// Handles the link's events; whether a send was admitted (another may go).
+    fn take_events(&mut self, deadline: SimTime) -> bool {
+        let mut admitted = false;
+        for event in self.link.take_events() {
+            match event {
+                MuxEvent::Admitted { .. } => {
+                    self.outstanding -= 1;
+                    admitted = true;
+                }
+                MuxEvent::Finished { transfer, .. } => {
+                    if transfer.delivered_at.is_some_and(|at| at <= deadline) {
+                        self.delivered += transfer.bytes;
+                    }
+                }
+            }
+        }
+        admitted
+    }
+}
+
+/// The simulator's links (`up`, and `down` at the same time when given) by `seconds`:
+/// `streams` sends outstanding per direction, each returning when its message enters the
+/// `window`; with both directions, each one's acknowledgements wait behind the other's queue,
+/// as in the edge world.
 fn simulated(
-    spec: &LinkSpec,
+    up: &LinkSpec,
+    down: Option<&LinkSpec>,
     frames: &[usize],
     seconds: f64,
     seed: u64,
     window: u64,
     streams: usize,
-) -> Result<(f64, f64, f64)> {
-    let trace = spec.load_trace().context("loading the link's trace")?;
-    let link = Link::new(spec, trace, &SimRng::new(seed).fork("link-check"))
-        .context("building the simulated link")?;
-    let mut link = MuxLink::new(link, window);
+) -> Result<Vec<Simulated>> {
+    let rng = SimRng::new(seed);
+    let mut senders = Vec::new();
+    for (spec, fork) in
+        std::iter::once((up, "link-check")).chain(down.map(|d| (d, "link-check-down")))
+    {
+        let trace = spec.load_trace().context("loading the link's trace")?;
+        let link =
+            Link::new(spec, trace, &rng.fork(fork)).context("building the simulated link")?;
+        senders.push(SimSender {
+            link: MuxLink::new(link, window),
+            outstanding: 0,
+            delivered: 0,
+            next: 0,
+        });
+    }
     let deadline = SimTime::from_nanos((seconds * 1e9) as u64);
-    let mut next = frames.iter().cycle();
-    let (mut now, mut outstanding, mut delivered) = (SimTime::ZERO, 0usize, 0u64);
+    let mut now = SimTime::ZERO;
     loop {
-        while outstanding < streams {
-            let bytes = *next.next().context("no message sizes")?;
-            link.submit(now, bytes as u64, None);
-            outstanding += 1;
-        }
-        let mut admitted = false;
-        for event in link.take_events() {
-            match event {
-                MuxEvent::Admitted { .. } => {
-                    outstanding -= 1;
-                    admitted = true;
-                }
-                MuxEvent::Finished { transfer, .. } => {
-                    if transfer.delivered_at.is_some_and(|at| at <= deadline) {
-                        delivered += transfer.bytes;
-                    }
-                }
+        for sender in &mut senders {
+            while sender.outstanding < streams {
+                let bytes = frames[sender.next % frames.len()];
+                sender.next += 1;
+                sender.link.submit(now, bytes as u64, None);
+                sender.outstanding += 1;
             }
+        }
+        sync_reverse_delays(&mut senders, now);
+        let mut admitted = false;
+        for sender in &mut senders {
+            admitted |= sender.take_events(deadline);
         }
         if admitted {
             continue;
         }
-        match link.next_wake() {
+        match senders.iter_mut().filter_map(|s| s.link.next_wake()).min() {
             Some(wake) if wake <= deadline => {
                 now = wake;
-                link.advance_through(wake);
+                for sender in &mut senders {
+                    sender.link.advance_through(wake);
+                }
             }
             _ => break,
         }
     }
-    link.advance_through(deadline);
-    for event in link.take_events() {
-        if let MuxEvent::Finished { transfer, .. } = event {
-            if transfer.delivered_at.is_some_and(|at| at <= deadline) {
-                delivered += transfer.bytes;
+    Ok(senders
+        .iter_mut()
+        .map(|sender| {
+            sender.link.advance_through(deadline);
+            sender.take_events(deadline);
+            Simulated {
+                delivered_mb: sender.delivered as f64 / 1e6,
+                wire_mb: sender.link.bytes_serialized() as f64 / 1e6,
+                queue_wait_ms: sender.link.mean_queue_wait().as_millis_f64(),
             }
-        }
+        })
+        .collect())
+}
+
+/// With two directions: each one's acknowledgements wait behind the other's queue as it
+/// stands at `now`.
+fn sync_reverse_delays(senders: &mut [SimSender], now: SimTime) {
+    if let [up, down] = senders {
+        up.link.advance_through(now);
+        down.link.advance_through(now);
+        up.link.set_reverse_delay(down.link.current_queue_wait(now));
+        down.link.set_reverse_delay(up.link.current_queue_wait(now));
     }
-    Ok((
-        delivered as f64 / 1e6,
-        link.bytes_serialized() as f64 / 1e6,
-        link.mean_queue_wait().as_millis_f64(),
-    ))
 }
 
 /// The edge's QUIC settings behind the scenario relay of `up` / `down`: windows sized for the
@@ -344,16 +475,85 @@ fn sender_config(up: &LinkSpec, down: &LinkSpec, seed: u64) -> Result<TransportC
         .map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-/// What the real transport moved through the relay.
-struct RealOutcome {
+/// What the real transport moved through the relay in one direction.
+#[derive(Default)]
+struct RealDirection {
     delivered_mb: f64,
     wire_mb: f64,
-    drops: u64,
     queue_wait_ms: f64,
     queue_wait_max_ms: f64,
     cwnd_mean_kb: f64,
     cwnd_max_kb: f64,
+}
+
+impl RealDirection {
+    fn new(delivered: u64, stats: &relay::DirectionStats, cwnd_kb: &[f64]) -> RealDirection {
+        RealDirection {
+            delivered_mb: delivered as f64 / 1e6,
+            wire_mb: stats.bytes_out as f64 / 1e6,
+            queue_wait_ms: stats.mean_queue_wait_ms(),
+            queue_wait_max_ms: stats.queue_wait_ns_max as f64 / 1e6,
+            cwnd_mean_kb: cwnd_kb.iter().sum::<f64>() / cwnd_kb.len().max(1) as f64,
+            cwnd_max_kb: cwnd_kb.iter().copied().fold(0.0, f64::max),
+        }
+    }
+}
+
+/// What the real transport moved through the relay: up, and down with `--both-ways`.
+struct RealOutcome {
+    up: RealDirection,
+    drops: u64,
     error: Option<String>,
+    down: Option<RealDirection>,
+}
+
+/// Payload bytes of the messages `conn` receives until `end`.
+async fn count_received(conn: PeerConnection, end: Instant) -> u64 {
+    let mut delivered = 0u64;
+    while let Ok(Ok(m)) = tokio::time::timeout_at(end.into(), conn.recv()).await {
+        delivered += protocol::encode_frame(&m).map_or(0, |f| f.len() as u64);
+    }
+    delivered
+}
+
+/// Sends `messages` (cycled) on `conn` until `end`, `streams` at once; why it stopped early.
+async fn send_until(
+    conn: PeerConnection,
+    messages: Arc<Vec<Message>>,
+    streams: usize,
+    end: Instant,
+) -> Option<String> {
+    let mut in_flight = tokio::task::JoinSet::new();
+    let mut next = 0usize;
+    let mut error = None;
+    while Instant::now() < end && error.is_none() {
+        while in_flight.len() < streams {
+            let conn = conn.clone();
+            let msg = messages[next % messages.len()].clone();
+            next += 1;
+            in_flight.spawn(async move { conn.send(&msg).await });
+        }
+        match tokio::time::timeout_at(end.into(), in_flight.join_next()).await {
+            Ok(Some(Ok(Err(e)))) => error = Some(format!("sending failed: {e}")),
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    in_flight.abort_all();
+    error
+}
+
+/// Congestion-window samples of each connection, KB, every 100 ms until `end`.
+async fn sample_windows(conns: Vec<PeerConnection>, end: Instant) -> Vec<Vec<f64>> {
+    let mut samples = vec![Vec::new(); conns.len()];
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    while Instant::now() < end {
+        tick.tick().await;
+        for (c, s) in conns.iter().zip(&mut samples) {
+            s.push(c.congestion_window() as f64 / 1e3);
+        }
+    }
+    samples
 }
 
 async fn real(
@@ -397,71 +597,52 @@ async fn real(
         receiver.accept()
     );
     let (to_receiver, from_sender) = match (dialed, accepted) {
-        (Ok(d), Some(Ok(a))) => (Arc::new(d), a),
+        (Ok(d), Some(Ok(a))) => (d, a),
         (Err(e), _) | (_, Some(Err(e))) => {
             relay.shutdown().await;
             return Ok(RealOutcome {
-                delivered_mb: 0.0,
-                wire_mb: 0.0,
+                up: RealDirection::default(),
                 drops: 0,
-                queue_wait_ms: 0.0,
-                queue_wait_max_ms: 0.0,
-                cwnd_mean_kb: 0.0,
-                cwnd_max_kb: 0.0,
                 error: Some(format!("connecting through the relay failed: {e}")),
+                down: None,
             });
         }
         (_, None) => bail!("the receiving endpoint closed"),
     };
-    let counter = tokio::spawn(async move {
-        let mut delivered = 0u64;
-        while let Ok(Ok(m)) = tokio::time::timeout_at(end.into(), from_sender.recv()).await {
-            delivered += protocol::encode_frame(&m).map_or(0, |f| f.len() as u64);
-        }
-        delivered
+    let messages = Arc::new(messages.to_vec());
+    let counted_up = tokio::spawn(count_received(from_sender.clone(), end));
+    let counted_down = tokio::spawn(count_received(to_receiver.clone(), end));
+    let sampled = tokio::spawn(sample_windows(
+        vec![to_receiver.clone(), from_sender.clone()],
+        end,
+    ));
+    let sent_down = args.both_ways.then(|| {
+        tokio::spawn(send_until(
+            from_sender.clone(),
+            Arc::clone(&messages),
+            args.streams,
+            end,
+        ))
     });
-    let sampled = Arc::clone(&to_receiver);
-    let cwnd_sampler = tokio::spawn(async move {
-        let mut samples = Vec::new();
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
-        while Instant::now() < end {
-            tick.tick().await;
-            samples.push(sampled.congestion_window() as f64 / 1e3);
-        }
-        samples
-    });
-    let mut in_flight = tokio::task::JoinSet::new();
-    let mut next = 0usize;
-    let mut error = None;
-    while Instant::now() < end && error.is_none() {
-        while in_flight.len() < args.streams {
-            let conn = Arc::clone(&to_receiver);
-            let msg = messages[next % messages.len()].clone();
-            next += 1;
-            in_flight.spawn(async move { conn.send(&msg).await });
-        }
-        match tokio::time::timeout_at(end.into(), in_flight.join_next()).await {
-            Ok(Some(Ok(Err(e)))) => error = Some(format!("sending failed: {e}")),
-            Ok(_) => {}
-            Err(_) => break,
-        }
+    let mut error = send_until(to_receiver.clone(), messages, args.streams, end).await;
+    if let Some(task) = sent_down {
+        let down_error = task.await.context("the down sender")?;
+        error = error.or(down_error.map(|e| format!("down: {e}")));
     }
-    let delivered = counter.await.context("the receiving task")?;
-    let cwnd = cwnd_sampler.await.context("the window sampler")?;
+    let delivered_up = counted_up.await.context("the receiving task")?;
+    let delivered_down = counted_down.await.context("the sending side's receiver")?;
+    let cwnd = sampled.await.context("the window sampler")?;
     let stats = relay.stats();
-    in_flight.abort_all();
     to_receiver.close("link-check done");
     sender.close();
     receiver.close();
     relay.shutdown().await;
     Ok(RealOutcome {
-        delivered_mb: delivered as f64 / 1e6,
-        wire_mb: stats.up.bytes_out as f64 / 1e6,
+        up: RealDirection::new(delivered_up, &stats.up, &cwnd[0]),
         drops: stats.up.dropped.total(),
-        queue_wait_ms: stats.up.mean_queue_wait_ms(),
-        queue_wait_max_ms: stats.up.queue_wait_ns_max as f64 / 1e6,
-        cwnd_mean_kb: cwnd.iter().sum::<f64>() / cwnd.len().max(1) as f64,
-        cwnd_max_kb: cwnd.iter().copied().fold(0.0, f64::max),
         error,
+        down: args
+            .both_ways
+            .then(|| RealDirection::new(delivered_down, &stats.down, &cwnd[1])),
     })
 }

@@ -375,7 +375,7 @@ fn collective_flag_cpu_nccl_auto_and_clear_errors() {
 }
 
 #[test]
-fn link_check_measures_a_scenario_link_both_ways_and_names_bad_nodes() {
+fn link_check_measures_a_scenario_link_in_both_directions_and_names_bad_nodes() {
     let dir = scratch("link-check");
     let out = dir.join("link-check.json");
     let o = dreamddp(&[
@@ -385,6 +385,7 @@ fn link_check_measures_a_scenario_link_both_ways_and_names_bad_nodes() {
         "edge-1",
         "--seconds",
         "1",
+        "--both-ways",
         "--out",
         out.to_str().unwrap(),
     ]);
@@ -394,12 +395,22 @@ fn link_check_measures_a_scenario_link_both_ways_and_names_bad_nodes() {
         serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let row = &rows[0];
     assert_eq!(row["node"], "edge-1", "{rows}");
-    // Both engines moved bytes over the 10 Mbit/s link, neither more than its capacity
-    // allows (1.25 MB in 1 s; the relay is read a moment after the window closes).
-    for key in ["simulated_wire_mb", "real_wire_mb"] {
-        let mb = row[key].as_f64().unwrap();
+    // Both engines moved bytes over the 10 Mbit/s link in both directions at once, neither
+    // more than its capacity allows (1.25 MB in 1 s; the relay is read a moment after the
+    // window closes).
+    for (figures, key) in [
+        (row, "simulated_wire_mb"),
+        (row, "real_wire_mb"),
+        (&row["down"], "simulated_wire_mb"),
+        (&row["down"], "real_wire_mb"),
+    ] {
+        let mb = figures[key].as_f64().unwrap_or(f64::NAN);
         assert!(mb > 0.0 && mb <= 1.5, "{key} = {mb}: {rows}");
     }
+    assert!(
+        row["down"]["real_cwnd_mean_kb"].as_f64().unwrap() > 0.0,
+        "{rows}"
+    );
     assert!(row["capacity_mb"].as_f64().unwrap() > 1.2, "{rows}");
     let o = dreamddp(&["link-check", "fidelity-smoke", "--nodes", "edge-9"]);
     let t = text(&o);

@@ -365,7 +365,7 @@ impl MuxLink {
         };
         // A full window: nothing goes until packets leave it.
         if let Some((t, _)) = send {
-            let cwnd = self.bbr.cwnd(&self.link.capacity, &self.link.cursor, t);
+            let cwnd = self.bbr.cwnd(&self.link.capacity, t);
             let mtu = self.link.params.mtu;
             if self.bytes_in_flight > 0 && self.bytes_in_flight.saturating_add(mtu) > cwnd {
                 if let Some(&Reverse((leaves, _))) = self.leaves_window.peek() {

@@ -25,7 +25,8 @@
 //!
 //! Approximations: no startup overshoot, no ProbeRTT drain, no loss-triggered recovery window,
 //! no ack-aggregation allowance (quinn adds the largest recent ack burst to its window, which
-//! is why its measured windows exceed `2 · BDP`); the estimate is recomputed per `min_rtt` slot.
+//! is why its measured windows exceed `2 · BDP`); the window is recomputed per `min_rtt` slot,
+//! a packet's queue wait at the end of its serialization.
 
 use super::Capacity;
 use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
@@ -49,8 +50,10 @@ pub(super) struct Bbr {
     busy_since: SimTime,
     /// End of the last packet's serialization.
     last_end: SimTime,
-    /// The slot (`time / min_rtt`) the cached estimate belongs to: (window, queue wait).
-    cached: Option<(u64, SimDuration, u64, SimDuration)>,
+    /// The window for one `min_rtt` slot: (slot, window).
+    cached_window: Option<(u64, u64)>,
+    /// The standing queue the last packet was delayed by (before the busy-period cap).
+    last_full_wait: SimDuration,
     /// Summed delay added to packets, and the packets.
     total_wait: SimDuration,
     packets: u64,
@@ -64,7 +67,8 @@ impl Bbr {
             reverse_delay: SimDuration::ZERO,
             busy_since: SimTime::ZERO,
             last_end: SimTime::ZERO,
-            cached: None,
+            cached_window: None,
+            last_full_wait: SimDuration::ZERO,
             total_wait: SimDuration::ZERO,
             packets: 0,
         }
@@ -86,20 +90,20 @@ impl Bbr {
     /// The queue a packet sent now would wait behind: the last estimate while the link is
     /// still busy at `now`, else none.
     pub(super) fn current_wait(&self, now: SimTime) -> SimDuration {
-        match self.cached {
-            Some((_, _, _, wait)) if self.last_end >= now => {
-                wait.min(self.last_end.saturating_since(self.busy_since))
-            }
-            _ => SimDuration::ZERO,
+        if self.last_end >= now {
+            self.last_full_wait
+                .min(self.last_end.saturating_since(self.busy_since))
+        } else {
+            SimDuration::ZERO
         }
     }
 
     /// The window at `t`, bytes (`u64::MAX` on a link without latency: no window bound).
-    pub(super) fn cwnd(&mut self, capacity: &Capacity, cursor: &TraceCursor, t: SimTime) -> u64 {
+    pub(super) fn cwnd(&mut self, capacity: &Capacity, t: SimTime) -> u64 {
         if self.min_rtt.as_nanos() == 0 {
             return u64::MAX;
         }
-        self.estimate(capacity, cursor, t).0
+        self.window(capacity, t)
     }
 
     /// The queueing delay of a packet serialized from `start` to `end` on `capacity`, whose
@@ -118,66 +122,75 @@ impl Bbr {
         if self.min_rtt.as_nanos() == 0 {
             return SimDuration::ZERO;
         }
-        let full = self.estimate(capacity, cursor, end).1;
+        let full = self.queue_wait(capacity, cursor, end);
+        self.last_full_wait = full;
         let wait = full.min(end.saturating_since(self.busy_since));
         self.total_wait = self.total_wait + wait;
         self.packets += 1;
         wait
     }
 
-    /// (window, queue wait) for the `min_rtt` slot holding `t`.
-    fn estimate(
-        &mut self,
-        capacity: &Capacity,
-        cursor: &TraceCursor,
-        t: SimTime,
-    ) -> (u64, SimDuration) {
+    /// The window for the `min_rtt` slot holding `t`: `CWND_GAIN` times the most the link
+    /// delivered in one `min_rtt` over the last `BANDWIDTH_FILTER_ROUNDS` slots.
+    fn window(&mut self, capacity: &Capacity, t: SimTime) -> u64 {
         let m = self.min_rtt.as_nanos();
         let slot = t.as_nanos() / m;
-        let round_trip = self.min_rtt + self.reverse_delay;
-        if let Some((s, rt, cwnd, wait)) = self.cached {
-            if s == slot && rt == round_trip {
-                return (cwnd, wait);
+        if let Some((s, cwnd)) = self.cached_window {
+            if s == slot {
+                return cwnd;
             }
         }
-        let floor = MIN_CWND_PACKETS * self.mtu;
-        let (cwnd, wait) = match capacity {
-            Capacity::Constant { bits_per_sec } => {
-                let bytes_in = |d: SimDuration| {
-                    u64::try_from(
-                        u128::from(*bits_per_sec) * u128::from(d.as_nanos())
-                            / (8 * u128::from(NANOS_PER_SEC)),
-                    )
-                    .unwrap_or(u64::MAX)
-                };
-                let cwnd = (CWND_GAIN * bytes_in(self.min_rtt)).max(floor);
-                let queue = cwnd.saturating_sub(bytes_in(round_trip));
-                let nanos =
-                    u128::from(queue) * 8 * u128::from(NANOS_PER_SEC) / u128::from(*bits_per_sec);
-                (cwnd, SimDuration(u64::try_from(nanos).unwrap_or(u64::MAX)))
-            }
+        let max_bytes = match capacity {
+            Capacity::Constant { bits_per_sec } => bytes_in(*bits_per_sec, self.min_rtt),
             Capacity::Trace(trace) => {
-                let slot_bytes = |k: u64| {
-                    let from = SimTime::from_nanos(k.saturating_mul(m));
-                    trace.bytes_deliverable(from, from + self.min_rtt)
-                };
                 let first = slot.saturating_sub(BANDWIDTH_FILTER_ROUNDS - 1);
-                let max_bytes = (first..=slot).map(slot_bytes).max().unwrap_or(0);
-                let cwnd = (CWND_GAIN * max_bytes).max(floor);
-                let pipe = trace.bytes_deliverable(t, t + round_trip);
-                let queue = cwnd.saturating_sub(pipe);
-                let wait = if queue == 0 {
-                    SimDuration::ZERO
-                } else {
-                    let mut ahead = *cursor;
-                    trace
-                        .transmit(&mut ahead, t, queue)
-                        .map_or(SimDuration::ZERO, |served| served.saturating_since(t))
-                };
-                (cwnd, wait)
+                (first..=slot)
+                    .map(|k| {
+                        let from = SimTime::from_nanos(k.saturating_mul(m));
+                        trace.bytes_deliverable(from, from + self.min_rtt)
+                    })
+                    .max()
+                    .unwrap_or(0)
             }
         };
-        self.cached = Some((slot, round_trip, cwnd, wait));
-        (cwnd, wait)
+        let cwnd = CWND_GAIN
+            .saturating_mul(max_bytes)
+            .max(MIN_CWND_PACKETS * self.mtu);
+        self.cached_window = Some((slot, cwnd));
+        cwnd
     }
+
+    /// The queue a packet whose serialization ends at `t` waits behind: what the window
+    /// holds beyond what the path carries over a round trip (`min_rtt` plus the reverse
+    /// delay), served at the link's capacity from `t`.
+    fn queue_wait(&mut self, capacity: &Capacity, cursor: &TraceCursor, t: SimTime) -> SimDuration {
+        let cwnd = self.window(capacity, t);
+        let round_trip = self.min_rtt + self.reverse_delay;
+        match capacity {
+            Capacity::Constant { bits_per_sec } => {
+                let queue = cwnd.saturating_sub(bytes_in(*bits_per_sec, round_trip));
+                let nanos =
+                    u128::from(queue) * 8 * u128::from(NANOS_PER_SEC) / u128::from(*bits_per_sec);
+                SimDuration(u64::try_from(nanos).unwrap_or(u64::MAX))
+            }
+            Capacity::Trace(trace) => {
+                let queue = cwnd.saturating_sub(trace.bytes_deliverable(t, t + round_trip));
+                if queue == 0 {
+                    return SimDuration::ZERO;
+                }
+                let mut ahead = *cursor;
+                trace
+                    .transmit(&mut ahead, t, queue)
+                    .map_or(SimDuration::ZERO, |served| served.saturating_since(t))
+            }
+        }
+    }
+}
+
+/// Bytes a constant link of `bits_per_sec` carries in `d`.
+fn bytes_in(bits_per_sec: u64, d: SimDuration) -> u64 {
+    u64::try_from(
+        u128::from(bits_per_sec) * u128::from(d.as_nanos()) / (8 * u128::from(NANOS_PER_SEC)),
+    )
+    .unwrap_or(u64::MAX)
 }

@@ -126,7 +126,11 @@ impl World<'_> {
             LinkRef::AggDown(a) => LinkRef::AggUp(a),
         };
         let now = self.now();
-        let delay = self.link_mut(other).current_queue_wait(now);
+        // Run the other direction to now first: its queue is read as it stands now, not as
+        // it stood at its last wake-up (its events wait for their own wake-ups).
+        let other_link = self.link_mut(other);
+        other_link.advance_through(now);
+        let delay = other_link.current_queue_wait(now);
         self.link_mut(r).set_reverse_delay(delay);
     }
 
