@@ -63,6 +63,10 @@ pub struct LinkCheckArgs {
     /// direction's acknowledgements then wait behind the other's queue.
     #[arg(long)]
     pub both_ways: bool,
+    /// Both ends' QUIC send window, bytes (what may be sent and not yet acknowledged),
+    /// instead of the edge's link-sized window and the aggregator's default.
+    #[arg(long)]
+    pub send_window: Option<u64>,
     /// Where to write the JSON report.
     #[arg(long, default_value = "link-check.json")]
     pub out: PathBuf,
@@ -219,10 +223,11 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
             .seed
             .wrapping_mul(1000)
             .wrapping_add(i as u64);
-        let window = sender_config(up, down, seed)?.send_window;
+        let window = sender_config(up, down, seed, args.send_window)?.send_window;
         let sim = simulated(
             up,
-            args.both_ways.then_some(down),
+            down,
+            args.both_ways,
             &frames,
             args.seconds,
             seed,
@@ -381,13 +386,14 @@ impl SimSender {
     }
 }
 
-/// The simulator's links (`up`, and `down` at the same time when given) by `seconds`:
+/// The simulator's links (`up`, and `down` at the same time when `both_ways`) by `seconds`:
 /// `streams` sends outstanding per direction, each returning when its message enters the
-/// `window`; with both directions, each one's acknowledgements wait behind the other's queue,
-/// as in the edge world.
+/// `window`; each direction's acknowledgements go back over the other's capacity and, with
+/// both loaded, wait behind its queue, as in the edge world.
 fn simulated(
     up: &LinkSpec,
-    down: Option<&LinkSpec>,
+    down: &LinkSpec,
+    both_ways: bool,
     frames: &[usize],
     seconds: f64,
     seed: u64,
@@ -395,20 +401,29 @@ fn simulated(
     streams: usize,
 ) -> Result<Vec<Simulated>> {
     let rng = SimRng::new(seed);
-    let mut senders = Vec::new();
-    for (spec, fork) in
-        std::iter::once((up, "link-check")).chain(down.map(|d| (d, "link-check-down")))
-    {
+    let build = |spec: &LinkSpec, fork: &str| -> Result<MuxLink> {
         let trace = spec.load_trace().context("loading the link's trace")?;
         let link =
             Link::new(spec, trace, &rng.fork(fork)).context("building the simulated link")?;
-        senders.push(SimSender {
-            link: MuxLink::new(link, window),
+        Ok(MuxLink::new(link, window))
+    };
+    let (mut up_link, mut down_link) = (build(up, "link-check")?, build(down, "link-check-down")?);
+    // Each direction's acknowledgements ride the other's capacity, loaded or not.
+    up_link.carry_acks_on(&down_link);
+    down_link.carry_acks_on(&up_link);
+    let mut links = vec![up_link];
+    if both_ways {
+        links.push(down_link);
+    }
+    let mut senders: Vec<SimSender> = links
+        .into_iter()
+        .map(|link| SimSender {
+            link,
             outstanding: 0,
             delivered: 0,
             next: 0,
-        });
-    }
+        })
+        .collect();
     let deadline = SimTime::from_nanos((seconds * 1e9) as u64);
     let mut now = SimTime::ZERO;
     loop {

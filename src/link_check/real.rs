@@ -18,14 +18,20 @@ use crate::cluster_file::relay_link_figures;
 use crate::scenario_cluster::scenario_relay;
 
 /// The edge's QUIC settings behind the scenario relay of `up` / `down`: windows sized for the
-/// link as `dreamddp cluster` sizes them.
-pub(super) fn sender_config(up: &LinkSpec, down: &LinkSpec, seed: u64) -> Result<TransportConfig> {
+/// link as `dreamddp cluster` sizes them, or the given `send_window`.
+pub(super) fn sender_config(
+    up: &LinkSpec,
+    down: &LinkSpec,
+    seed: u64,
+    send_window: Option<u64>,
+) -> Result<TransportConfig> {
     let edge = scenario_relay(up, down, seed);
     let mut section = TransportSection::default();
     if let Some((mbps, rtt)) = relay_link_figures(&edge, Path::new("."))? {
         section.link_mbps = Some(mbps);
         section.rtt_ms = Some(rtt);
     }
+    section.send_window = send_window;
     section
         .to_config_over(TransportConfig::edge_device())
         .map_err(|e| anyhow::anyhow!("{e}"))
@@ -126,9 +132,14 @@ pub(super) async fn real(
     let receiver = QuicNode::bind(
         localhost,
         &TlsIdentity::in_dir(dir.path(), &names[1]),
-        &TransportConfig::default(),
+        &TransportConfig {
+            send_window: args
+                .send_window
+                .unwrap_or(TransportConfig::default().send_window),
+            ..TransportConfig::default()
+        },
     )?;
-    let sender_config = sender_config(up, down, seed)?;
+    let sender_config = sender_config(up, down, seed, args.send_window)?;
     let edge = scenario_relay(up, down, seed);
     let (up, down) = (edge.up.clone(), edge.down.clone());
     let sender = QuicNode::bind(

@@ -21,7 +21,10 @@
 //!   admitted message at the front of the round-robin, which then moves to the back. Packets, loss, jitter, outages, trace capacity, the RTT estimator and loss
 //!   detection (packet threshold counted over the whole connection, probe timeouts with
 //!   backoff) are [`Link`]'s; each packet's arrival is delayed by the sender's standing queue
-//!   and its acknowledgement by the other direction's ([`MuxLink::set_reverse_delay`]).
+//!   and its acknowledgement by the other direction's ([`MuxLink::set_reverse_delay`]) and,
+//!   when that direction is a trace, by its next delivery opportunity
+//!   ([`MuxLink::carry_acks_on`]: a cellular uplink's stalls hold back the downlink's
+//!   acknowledgements, as in the relay).
 //! * A message is *finished* when its last packet is delivered (its `delivered_at` is that
 //!   packet's arrival, possibly later than the decision), when its deadline passes first, or
 //!   when the connection dies: no acknowledgement for `idle_timeout_s` fails every admitted
@@ -184,6 +187,15 @@ impl MuxLink {
             events: Vec::new(),
             serialized: 0,
         }
+    }
+
+    /// Sends this link's acknowledgements back over `reverse`'s capacity: on a trace, an
+    /// acknowledgement leaves when the reverse direction has its next delivery opportunity
+    /// (after that direction's queue, [`MuxLink::set_reverse_delay`]), as in the relay, where
+    /// an uplink trace's gaps hold back the acknowledgements of the downlink. Without it,
+    /// acknowledgements need only the latency and the reverse queue.
+    pub fn carry_acks_on(&mut self, reverse: &MuxLink) {
+        self.bbr.set_reverse_capacity(reverse.link.capacity.clone());
     }
 
     /// The underlying link (spec, stats).
@@ -456,7 +468,10 @@ impl MuxLink {
         // queue), or about a round trip after it was lost.
         let reverse = self.bbr.reverse_delay();
         let latency = self.link.params.latency;
-        let leaves = arrival.unwrap_or(end + latency + waited) + latency + reverse;
+        let leaves = self
+            .bbr
+            .ack_departure(arrival.unwrap_or(end + latency + waited) + reverse)
+            + latency;
         self.bytes_in_flight += size;
         self.leaves_window.push(Reverse((leaves, size)));
         self.free_at = end;
@@ -474,7 +489,7 @@ impl MuxLink {
         let lost = self.link.on_packet_outcome(
             t,
             end,
-            arrival.map(|a| a + reverse),
+            arrival.map(|a| self.bbr.ack_departure(a + reverse)),
             attempt,
             deliveries,
             &mut exponent,
@@ -494,7 +509,7 @@ impl MuxLink {
         s.undelivered_bytes -= size;
         s.last_arrival = s.last_arrival.max(arrival);
         let done = s.undelivered == 0;
-        let ack = arrival + self.link.params.latency + reverse;
+        let ack = self.bbr.ack_departure(arrival + reverse) + self.link.params.latency;
         self.last_ack = self.last_ack.max(ack);
         self.deliveries += 1;
         while let Some(&(needed, lost_id, lost_packet, lost_attempt)) =

@@ -21,7 +21,10 @@
 //! served at the link's capacity, never longer than the link has been busy without a pause.
 //! `min_rtt` is the link's base round trip (`2 · latency`); the reverse delay is the other
 //! direction's current queue, which the owner of both directions sets
-//! ([`super::MuxLink::set_reverse_delay`]).
+//! ([`super::MuxLink::set_reverse_delay`]); after it an acknowledgement still needs the other
+//! direction's next delivery opportunity when that direction is a trace
+//! ([`super::MuxLink::carry_acks_on`]; the ATT LTE uplink trace has a mean wait of 140 ms for
+//! one and stalls of up to 4 s).
 //!
 //! Approximations: no startup overshoot, no ProbeRTT drain, no loss-triggered recovery window,
 //! no ack-aggregation allowance (quinn adds the largest recent ack burst to its window, which
@@ -36,6 +39,8 @@ use crate::trace::TraceCursor;
 const BANDWIDTH_FILTER_ROUNDS: u64 = 10;
 /// BBR's window gain in steady state.
 const CWND_GAIN: u64 = 2;
+/// Bytes of an acknowledgement on the way back.
+const ACK_BYTES: u64 = 64;
 /// Smallest window, in packets (quinn's minimum window).
 const MIN_CWND_PACKETS: u64 = 4;
 
@@ -46,6 +51,8 @@ pub(super) struct Bbr {
     mtu: u64,
     /// Delay the acknowledgements see on the other direction (its queue), set by the owner.
     reverse_delay: SimDuration,
+    /// The capacity of the direction that carries the acknowledgements back.
+    reverse_capacity: Option<Capacity>,
     /// Start of the current busy period (packets back to back since then).
     busy_since: SimTime,
     /// End of the last packet's serialization.
@@ -65,6 +72,7 @@ impl Bbr {
             min_rtt: latency * 2,
             mtu,
             reverse_delay: SimDuration::ZERO,
+            reverse_capacity: None,
             busy_since: SimTime::ZERO,
             last_end: SimTime::ZERO,
             cached_window: None,
@@ -80,6 +88,21 @@ impl Bbr {
 
     pub(super) fn reverse_delay(&self) -> SimDuration {
         self.reverse_delay
+    }
+
+    pub(super) fn set_reverse_capacity(&mut self, capacity: Capacity) {
+        self.reverse_capacity = Some(capacity);
+    }
+
+    /// When an acknowledgement ready to go back at `at` leaves the reverse direction: on a
+    /// trace, at its next delivery opportunity (any datagram needs one in the relay).
+    pub(super) fn ack_departure(&self, at: SimTime) -> SimTime {
+        match &self.reverse_capacity {
+            Some(Capacity::Trace(trace)) => trace
+                .transmit(&mut TraceCursor::default(), at, ACK_BYTES)
+                .unwrap_or(at),
+            _ => at,
+        }
     }
 
     /// Mean delay added per packet so far.

@@ -7,7 +7,8 @@
 //! in the slot, the newest replacing the older).
 //!
 //! Each link's acknowledgements wait behind the other direction's standing queue
-//! ([`MuxLink::set_reverse_delay`], kept current at every submission and wake-up), which
+//! ([`MuxLink::set_reverse_delay`], kept current at every submission and wake-up) and then
+//! for that direction's next delivery opportunity ([`MuxLink::carry_acks_on`]), which
 //! lengthens the round trip its BBR window must cover.
 //!
 //! The windows are the real processes': on a node's links (both directions), the node's
@@ -45,6 +46,13 @@ pub(super) fn node_window(up: &LinkSpec, down: &LinkSpec, up_bps: f64, down_bps:
     } else {
         EDGE_CONNECTION_WINDOW
     }
+}
+
+/// The two directions of one access link, each carrying the other's acknowledgements.
+pub(super) fn link_pair(mut up: MuxLink, mut down: MuxLink) -> (MuxLink, MuxLink) {
+    up.carry_acks_on(&down);
+    down.carry_acks_on(&up);
+    (up, down)
 }
 
 /// Send window of an aggregator's connections (the transport default).

@@ -123,6 +123,42 @@ fn late_acknowledgements_bound_the_sender_by_its_window() {
 }
 
 #[test]
+fn acknowledgements_wait_for_the_reverse_traces_next_opportunity() {
+    use crate::trace::Trace;
+    use link_model::vocabulary::TraceSpec;
+    use std::sync::Arc;
+    // The reverse direction: a mahimahi trace with one delivery opportunity per millisecond
+    // for the first 10 ms, then none until 2 s (a cellular uplink's stall).
+    let mut text: String = (0..10).map(|t| format!("{t}\n")).collect();
+    text.push_str("2000\n");
+    let trace = Trace::parse_mahimahi(&text, std::path::Path::new("stall.up"), true).unwrap();
+    let spec = LinkSpec {
+        trace: Some(TraceSpec {
+            path: "stall.up".into(),
+            format: trace.format(),
+            looped: true,
+        }),
+        latency_ms: 10.0,
+        ..LinkSpec::default()
+    };
+    let reverse = Link::new(&spec, Some(Arc::new(trace)), &SimRng::new(1).fork("rev")).unwrap();
+    let reverse = MuxLink::new(reverse, 16 * MB);
+    // 1 MB needs more than BBR's first window (500 KB), so the sender waits for
+    // acknowledgements, which cannot leave the stalled reverse direction before 2 s.
+    let mut l = mux(&fast_link(), 1, 16 * MB);
+    l.carry_acks_on(&reverse);
+    let id = l.submit(ms(20), MB, None);
+    let at = drain(&mut l).0[&id].delivered_at.unwrap();
+    assert!(at > SimTime::from_secs(2), "{at}");
+    // Over a constant reverse link the acknowledgements need only the latency.
+    let mut l = mux(&fast_link(), 1, 16 * MB);
+    let constant = mux(&fast_link(), 2, 16 * MB);
+    l.carry_acks_on(&constant);
+    let id = l.submit(ms(20), MB, None);
+    assert!(drain(&mut l).0[&id].delivered_at.unwrap() < ms(135));
+}
+
+#[test]
 fn the_window_bounds_what_is_admitted() {
     let mut l = mux(&fast_link(), 1, MB + MB / 2);
     let a = l.submit(SimTime::ZERO, MB, None);
