@@ -38,7 +38,7 @@ use simulations::{Link, LinkSpec, MuxEvent, MuxLink, SimRng, SimTime};
 
 use crate::cluster_file::direction_mbps;
 use crate::scenario_cluster::{load, ScenarioOverrides};
-use real::{real, sender_config};
+use real::{real, sender_config, RealDirection};
 
 /// Flags of `link-check`.
 #[derive(Args, Debug, Clone)]
@@ -72,17 +72,35 @@ pub struct LinkCheckArgs {
     pub out: PathBuf,
 }
 
-/// One link measured both ways.
+/// One link measured both ways (by the simulator and by the real transport).
 #[derive(Debug, Serialize)]
 pub struct LinkCheckRow {
     /// The node whose up link this is.
     pub node: String,
-    /// The link, as the scenario gives it (bandwidth or trace, latency, loss).
-    pub link: String,
     /// Seconds measured.
     pub seconds: f64,
-    /// The link's mean capacity over the window, MB (10^6 bytes).
+    /// The up link's mean capacity over the window, MB (10^6 bytes).
     pub capacity_mb: f64,
+    /// The up direction's figures.
+    #[serde(flatten)]
+    pub up: DirectionFigures,
+    /// Datagrams the relay dropped going up (queue, outage, loss).
+    pub real_drops: u64,
+    /// `real_mb / simulated_mb` going up.
+    pub real_over_simulated: f64,
+    /// Why the real connection stopped before the window ended (e.g. an outage longer than
+    /// the idle timeout); its figures are up to that point.
+    pub real_error: Option<String>,
+    /// With `--both-ways`: the down direction's figures, sent at the same time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub down: Option<DirectionFigures>,
+}
+
+/// One direction of a link, simulated and real.
+#[derive(Debug, Serialize)]
+pub struct DirectionFigures {
+    /// The link, as the scenario gives it (bandwidth or trace, latency, loss).
+    pub link: String,
     /// Payload (message frames) the simulator delivered by the deadline, MB.
     pub simulated_mb: f64,
     /// Bytes the simulator serialized by the deadline (retransmissions included), MB.
@@ -91,12 +109,10 @@ pub struct LinkCheckRow {
     pub simulated_queue_wait_ms: f64,
     /// Payload the real transport delivered by the deadline, MB.
     pub real_mb: f64,
-    /// Bytes the relay forwarded up during the window (QUIC packets), MB.
+    /// Bytes the relay forwarded in this direction during the window (QUIC packets), MB.
     pub real_wire_mb: f64,
-    /// Datagrams the relay dropped (queue, outage, loss).
-    pub real_drops: u64,
     /// Mean wait of a real datagram in the relay's bandwidth queue, ms (the queueing delay
-    /// QUIC's sender builds up; the simulated sender never queues).
+    /// QUIC's sender builds up).
     pub real_queue_wait_ms: f64,
     /// The longest such wait, ms.
     pub real_queue_wait_max_ms: f64,
@@ -104,39 +120,41 @@ pub struct LinkCheckRow {
     pub real_cwnd_mean_kb: f64,
     /// Its largest sample, KB.
     pub real_cwnd_max_kb: f64,
-    /// `real_mb / simulated_mb`.
-    pub real_over_simulated: f64,
-    /// Why the real connection stopped before the window ended (e.g. an outage longer than
-    /// the idle timeout); its figures are up to that point.
-    pub real_error: Option<String>,
-    /// With `--both-ways`: the same figures for the down direction, sent at the same time.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub down: Option<DirectionFigures>,
 }
 
-/// One direction of a `--both-ways` check (the up direction's are the row's own fields).
-#[derive(Debug, Serialize)]
-pub struct DirectionFigures {
-    /// The link, as the scenario gives it.
-    pub link: String,
-    /// Payload the simulator delivered by the deadline, MB.
-    pub simulated_mb: f64,
-    /// Bytes the simulator serialized by the deadline, MB.
-    pub simulated_wire_mb: f64,
-    /// Mean delay the simulator's standing queue added to a packet, ms.
-    pub simulated_queue_wait_ms: f64,
-    /// Payload the real transport delivered by the deadline, MB.
-    pub real_mb: f64,
-    /// Bytes the relay forwarded in this direction, MB.
-    pub real_wire_mb: f64,
-    /// Mean wait of a real datagram in the relay's queue, ms.
-    pub real_queue_wait_ms: f64,
-    /// The longest such wait, ms.
-    pub real_queue_wait_max_ms: f64,
-    /// The real sender's congestion window, sampled every 100 ms: mean, KB.
-    pub real_cwnd_mean_kb: f64,
-    /// Its largest sample, KB.
-    pub real_cwnd_max_kb: f64,
+impl DirectionFigures {
+    fn new(spec: &LinkSpec, sim: &Simulated, real: &RealDirection) -> DirectionFigures {
+        DirectionFigures {
+            link: describe(spec),
+            simulated_mb: sim.delivered_mb,
+            simulated_wire_mb: sim.wire_mb,
+            simulated_queue_wait_ms: sim.queue_wait_ms,
+            real_mb: real.delivered_mb,
+            real_wire_mb: real.wire_mb,
+            real_queue_wait_ms: real.queue_wait_ms,
+            real_queue_wait_max_ms: real.queue_wait_max_ms,
+            real_cwnd_mean_kb: real.cwnd_mean_kb,
+            real_cwnd_max_kb: real.cwnd_max_kb,
+        }
+    }
+
+    /// `simulated … real …` for the printed report.
+    fn summary(&self) -> String {
+        format!(
+            "simulated {:>7.2} MB (wire {:>7.2}, queue wait mean {:.0} ms)  real {:>7.2} MB \
+             (relay forwarded {:>7.2}, queue wait mean {:.0} ms, max {:.0} ms, \
+             cwnd mean {:.0} KB, max {:.0} KB)",
+            self.simulated_mb,
+            self.simulated_wire_mb,
+            self.simulated_queue_wait_ms,
+            self.real_mb,
+            self.real_wire_mb,
+            self.real_queue_wait_ms,
+            self.real_queue_wait_max_ms,
+            self.real_cwnd_mean_kb,
+            self.real_cwnd_max_kb
+        )
+    }
 }
 
 /// Runs the check.
@@ -223,7 +241,7 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
             .seed
             .wrapping_mul(1000)
             .wrapping_add(i as u64);
-        let window = sender_config(up, down, seed, args.send_window)?.send_window;
+        let config = sender_config(up, down, seed, args.send_window)?;
         let sim = simulated(
             up,
             down,
@@ -231,85 +249,39 @@ pub fn run(args: &LinkCheckArgs) -> Result<()> {
             &frames,
             args.seconds,
             seed,
-            window,
+            config.send_window,
             args.streams,
         )?;
-        let (sim_mb, sim_wire_mb, sim_queue_ms) =
-            (sim[0].delivered_mb, sim[0].wire_mb, sim[0].queue_wait_ms);
-        let real = runtime.block_on(real(up, down, &messages, args, seed))?;
-        let down_figures = match (sim.get(1), &real.down) {
-            (Some(s), Some(r)) => Some(DirectionFigures {
-                link: describe(down),
-                simulated_mb: s.delivered_mb,
-                simulated_wire_mb: s.wire_mb,
-                simulated_queue_wait_ms: s.queue_wait_ms,
-                real_mb: r.delivered_mb,
-                real_wire_mb: r.wire_mb,
-                real_queue_wait_ms: r.queue_wait_ms,
-                real_queue_wait_max_ms: r.queue_wait_max_ms,
-                real_cwnd_mean_kb: r.cwnd_mean_kb,
-                real_cwnd_max_kb: r.cwnd_max_kb,
-            }),
-            _ => None,
-        };
+        let real = runtime.block_on(real(up, down, &config, &messages, args, seed))?;
+        let up_figures = DirectionFigures::new(up, &sim[0], &real.up);
         let row = LinkCheckRow {
             node: node.clone(),
-            link: describe(up),
             seconds: args.seconds,
             capacity_mb: capacity_mb(up, args.seconds)?,
-            simulated_mb: sim_mb,
-            simulated_wire_mb: sim_wire_mb,
-            simulated_queue_wait_ms: sim_queue_ms,
-            real_mb: real.up.delivered_mb,
-            real_wire_mb: real.up.wire_mb,
             real_drops: real.drops,
-            real_queue_wait_ms: real.up.queue_wait_ms,
-            real_queue_wait_max_ms: real.up.queue_wait_max_ms,
-            real_cwnd_mean_kb: real.up.cwnd_mean_kb,
-            real_cwnd_max_kb: real.up.cwnd_max_kb,
-            real_over_simulated: if sim_mb > 0.0 {
-                real.up.delivered_mb / sim_mb
+            real_over_simulated: if up_figures.simulated_mb > 0.0 {
+                up_figures.real_mb / up_figures.simulated_mb
             } else {
                 f64::NAN
             },
+            up: up_figures,
             real_error: real.error,
-            down: down_figures,
+            down: match (sim.get(1), &real.down) {
+                (Some(s), Some(r)) => Some(DirectionFigures::new(down, s, r)),
+                _ => None,
+            },
         };
         println!(
-            "  {:<8} {:<44} capacity {:>7.2} MB  simulated {:>7.2} MB (wire {:>7.2}, queue wait mean {:.0} ms)  real {:>7.2} MB \
-             (relay forwarded {:>7.2}, dropped {}, queue wait mean {:.0} ms, max {:.0} ms, \
-             cwnd mean {:.0} KB, max {:.0} KB)  real/simulated {:.3}",
+            "  {:<8} {:<44} capacity {:>7.2} MB  {}  dropped {}  real/simulated {:.3}",
             row.node,
-            row.link,
+            row.up.link,
             row.capacity_mb,
-            row.simulated_mb,
-            row.simulated_wire_mb,
-            row.simulated_queue_wait_ms,
-            row.real_mb,
-            row.real_wire_mb,
+            row.up.summary(),
             row.real_drops,
-            row.real_queue_wait_ms,
-            row.real_queue_wait_max_ms,
-            row.real_cwnd_mean_kb,
-            row.real_cwnd_max_kb,
             row.real_over_simulated
         );
         if let Some(d) = &row.down {
-            println!(
-                "  {:<8} down {:<39} simulated {:>7.2} MB (wire {:>7.2}, queue wait mean {:.0} ms)  real {:>7.2} MB \
-                 (relay forwarded {:>7.2}, queue wait mean {:.0} ms, max {:.0} ms, cwnd mean {:.0} KB, max {:.0} KB)",
-                row.node,
-                d.link,
-                d.simulated_mb,
-                d.simulated_wire_mb,
-                d.simulated_queue_wait_ms,
-                d.real_mb,
-                d.real_wire_mb,
-                d.real_queue_wait_ms,
-                d.real_queue_wait_max_ms,
-                d.real_cwnd_mean_kb,
-                d.real_cwnd_max_kb
-            );
+            println!("  {:<8} down {:<39} {}", row.node, d.link, d.summary());
         }
         if let Some(e) = &row.real_error {
             println!("           the real connection stopped early: {e}");
@@ -407,10 +379,9 @@ fn simulated(
             Link::new(spec, trace, &rng.fork(fork)).context("building the simulated link")?;
         Ok(MuxLink::new(link, window))
     };
-    let (mut up_link, mut down_link) = (build(up, "link-check")?, build(down, "link-check-down")?);
     // Each direction's acknowledgements ride the other's capacity, loaded or not.
-    up_link.carry_acks_on(&down_link);
-    down_link.carry_acks_on(&up_link);
+    let (up_link, down_link) =
+        MuxLink::pair(build(up, "link-check")?, build(down, "link-check-down")?);
     let mut links = vec![up_link];
     if both_ways {
         links.push(down_link);
@@ -471,9 +442,11 @@ fn simulated(
 /// stands at `now`.
 fn sync_reverse_delays(senders: &mut [SimSender], now: SimTime) {
     if let [up, down] = senders {
-        up.link.advance_through(now);
-        down.link.advance_through(now);
-        up.link.set_reverse_delay(down.link.current_queue_wait(now));
-        down.link.set_reverse_delay(up.link.current_queue_wait(now));
+        let (up_queue, down_queue) = (
+            up.link.current_queue_wait(now),
+            down.link.current_queue_wait(now),
+        );
+        up.link.set_reverse_delay(down_queue);
+        down.link.set_reverse_delay(up_queue);
     }
 }

@@ -121,6 +121,7 @@ async fn sample_windows(conns: Vec<PeerConnection>, end: Instant) -> Vec<Vec<f64
 pub(super) async fn real(
     up: &LinkSpec,
     down: &LinkSpec,
+    sender_config: &TransportConfig,
     messages: &[Message],
     args: &LinkCheckArgs,
     seed: u64,
@@ -139,13 +140,12 @@ pub(super) async fn real(
             ..TransportConfig::default()
         },
     )?;
-    let sender_config = sender_config(up, down, seed, args.send_window)?;
     let edge = scenario_relay(up, down, seed);
     let (up, down) = (edge.up.clone(), edge.down.clone());
     let sender = QuicNode::bind(
         localhost,
         &TlsIdentity::in_dir(dir.path(), &names[0]),
-        &sender_config,
+        sender_config,
     )?;
     let relay = spawn_relay(RelayConfig {
         listen: localhost,

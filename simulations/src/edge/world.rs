@@ -552,7 +552,7 @@ impl<'a> World<'a> {
             let link = &resolved.aggregator_link;
             let (up, up_bps) = factory.build(&link.up, &format!("agg-{a}.up"))?;
             let (down, down_bps) = factory.build(&link.down, &format!("agg-{a}.down"))?;
-            let (up, down) = links::link_pair(
+            let (up, down) = MuxLink::pair(
                 MuxLink::new(up, links::aggregator_send_window()),
                 MuxLink::new(down, links::aggregator_send_window()),
             );
@@ -614,7 +614,7 @@ impl<'a> World<'a> {
             let (up, up_bps) = factory.build(&access.up, &format!("{name}.up"))?;
             let (down, down_bps) = factory.build(&access.down, &format!("{name}.down"))?;
             let window = links::node_window(&access.up, &access.down, up_bps, down_bps);
-            let (up, down) = links::link_pair(MuxLink::new(up, window), MuxLink::new(down, window));
+            let (up, down) = MuxLink::pair(MuxLink::new(up, window), MuxLink::new(down, window));
             // Deadline: slack + nominal time to upload one delta of every layer over the
             // slowest hop, download the largest version, and one round trip.
             let (agg_up_bps, agg_down_bps, agg_up_lat, agg_down_lat) = agg_nominal[0];

@@ -198,6 +198,14 @@ impl MuxLink {
         self.bbr.set_reverse_capacity(reverse.link.capacity.clone());
     }
 
+    /// The two directions of one access link, each carrying the other's acknowledgements
+    /// ([`MuxLink::carry_acks_on`]).
+    pub fn pair(mut up: MuxLink, mut down: MuxLink) -> (MuxLink, MuxLink) {
+        up.carry_acks_on(&down);
+        down.carry_acks_on(&up);
+        (up, down)
+    }
+
     /// The underlying link (spec, stats).
     pub fn link(&self) -> &Link {
         &self.link
@@ -214,7 +222,10 @@ impl MuxLink {
     }
 
     /// The queue a packet sent at `now` would wait behind (none once the link has drained).
-    pub fn current_queue_wait(&self, now: SimTime) -> SimDuration {
+    /// Runs the link to `now` first, so the queue is read as it stands then, not as it stood at
+    /// the last wake-up; the events that produces wait for [`MuxLink::take_events`].
+    pub fn current_queue_wait(&mut self, now: SimTime) -> SimDuration {
+        self.advance_through(now);
         self.bbr.current_wait(now)
     }
 
@@ -465,13 +476,13 @@ impl MuxLink {
             .wait(&self.link.capacity, &self.link.cursor, start, end);
         let arrival = arrival.map(|a| a + waited);
         // It leaves the window when its acknowledgement is back (behind the other direction's
-        // queue), or about a round trip after it was lost.
+        // queue, at that direction's next opportunity), or about a round trip after it was lost.
         let reverse = self.bbr.reverse_delay();
         let latency = self.link.params.latency;
-        let leaves = self
+        let ack_sent = self
             .bbr
-            .ack_departure(arrival.unwrap_or(end + latency + waited) + reverse)
-            + latency;
+            .ack_departure(arrival.unwrap_or(end + latency + waited) + reverse);
+        let leaves = ack_sent + latency;
         self.bytes_in_flight += size;
         self.leaves_window.push(Reverse((leaves, size)));
         self.free_at = end;
@@ -489,7 +500,7 @@ impl MuxLink {
         let lost = self.link.on_packet_outcome(
             t,
             end,
-            arrival.map(|a| self.bbr.ack_departure(a + reverse)),
+            arrival.map(|_| ack_sent),
             attempt,
             deliveries,
             &mut exponent,
@@ -509,8 +520,7 @@ impl MuxLink {
         s.undelivered_bytes -= size;
         s.last_arrival = s.last_arrival.max(arrival);
         let done = s.undelivered == 0;
-        let ack = self.bbr.ack_departure(arrival + reverse) + self.link.params.latency;
-        self.last_ack = self.last_ack.max(ack);
+        self.last_ack = self.last_ack.max(leaves);
         self.deliveries += 1;
         while let Some(&(needed, lost_id, lost_packet, lost_attempt)) =
             self.awaiting_threshold.front()
@@ -525,7 +535,7 @@ impl MuxLink {
                 .is_some_and(|s| s.attempts[lost_packet as usize] == lost_attempt)
             {
                 self.retransmit
-                    .push(Reverse((ack, lost_id, lost_packet, lost_attempt)));
+                    .push(Reverse((leaves, lost_id, lost_packet, lost_attempt)));
             }
         }
         if done {

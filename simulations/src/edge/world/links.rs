@@ -48,13 +48,6 @@ pub(super) fn node_window(up: &LinkSpec, down: &LinkSpec, up_bps: f64, down_bps:
     }
 }
 
-/// The two directions of one access link, each carrying the other's acknowledgements.
-pub(super) fn link_pair(mut up: MuxLink, mut down: MuxLink) -> (MuxLink, MuxLink) {
-    up.carry_acks_on(&down);
-    down.carry_acks_on(&up);
-    (up, down)
-}
-
 /// Send window of an aggregator's connections (the transport default).
 pub(super) fn aggregator_send_window() -> u64 {
     TransportConfig::default().send_window
@@ -134,11 +127,7 @@ impl World<'_> {
             LinkRef::AggDown(a) => LinkRef::AggUp(a),
         };
         let now = self.now();
-        // Run the other direction to now first: its queue is read as it stands now, not as
-        // it stood at its last wake-up (its events wait for their own wake-ups).
-        let other_link = self.link_mut(other);
-        other_link.advance_through(now);
-        let delay = other_link.current_queue_wait(now);
+        let delay = self.link_mut(other).current_queue_wait(now);
         self.link_mut(r).set_reverse_delay(delay);
     }
 
