@@ -23,6 +23,7 @@ use std::time::Duration;
 use quinn::{IdleTimeout, VarInt};
 use serde::{Deserialize, Serialize};
 
+use crate::bbr::DeliveryBbrConfig;
 use crate::error::TransportError;
 
 /// Streams (one per message) a peer may have open towards us at once.
@@ -63,8 +64,13 @@ pub const MIN_UDP_PAYLOAD: u16 = 1200;
 pub enum Congestion {
     /// BBR: paces by measured bandwidth and RTT and does not halve its window on every loss,
     /// so random loss on a lossy edge link (not congestion) does not starve the connection.
+    /// dreamddp's own ([`crate::bbr`]): BBRv1's window over the IETF draft's delivery-rate
+    /// samples, which bunched acknowledgements cannot inflate.
     #[default]
     Bbr,
+    /// quinn's BBR (experimental in quinn): its bandwidth samples are per ACK frame, and
+    /// acknowledgements that share a loaded reverse link inflate them ([`crate::bbr`]).
+    QuinnBbr,
     /// CUBIC (quinn's default): loss-based, backs off on every loss.
     Cubic,
     /// NewReno: the classic loss-based controller (halves its window on every loss).
@@ -76,10 +82,11 @@ impl std::str::FromStr for Congestion {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "bbr" => Ok(Congestion::Bbr),
+            "quinn-bbr" => Ok(Congestion::QuinnBbr),
             "cubic" => Ok(Congestion::Cubic),
             "newreno" | "new-reno" => Ok(Congestion::NewReno),
             other => Err(format!(
-                "unknown congestion controller {other:?}; use bbr, cubic or newreno"
+                "unknown congestion controller {other:?}; use bbr, quinn-bbr, cubic or newreno"
             )),
         }
     }
@@ -383,6 +390,9 @@ impl TransportConfig {
             .max_concurrent_bidi_streams(MAX_CONCURRENT_BIDI_STREAMS.into());
         match self.congestion {
             Congestion::Bbr => {
+                quinn_config.congestion_controller_factory(Arc::new(DeliveryBbrConfig));
+            }
+            Congestion::QuinnBbr => {
                 quinn_config.congestion_controller_factory(Arc::new(
                     quinn::congestion::BbrConfig::default(),
                 ));
@@ -500,6 +510,26 @@ mod tests {
         let huge = LinkWindows::for_link(1e6, 1e4);
         assert_eq!(huge.stream_receive_window, MAX_STREAM_WINDOW);
         assert_eq!(huge.receive_window, MAX_CONNECTION_WINDOW);
+    }
+
+    #[test]
+    fn every_congestion_controller_parses_and_builds() {
+        for (name, expected) in [
+            ("bbr", Congestion::Bbr),
+            ("quinn-bbr", Congestion::QuinnBbr),
+            ("cubic", Congestion::Cubic),
+            ("newreno", Congestion::NewReno),
+        ] {
+            let parsed: Congestion = name.parse().unwrap();
+            assert_eq!(parsed, expected);
+            let config = TransportConfig {
+                congestion: parsed,
+                ..TransportConfig::default()
+            };
+            config.to_quinn().unwrap();
+        }
+        let err = "bbr2".parse::<Congestion>().unwrap_err();
+        assert!(err.contains("quinn-bbr"), "{err}");
     }
 
     #[test]

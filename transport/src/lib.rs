@@ -21,6 +21,7 @@
 //!
 //! [`QuicNode::bind`] must be called inside a tokio runtime.
 
+pub mod bbr;
 pub mod bench;
 pub mod certs;
 pub mod config;

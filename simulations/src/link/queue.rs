@@ -1,19 +1,22 @@
 //! The congestion window of a QUIC sender and the queue it keeps at a link's bottleneck.
 //!
-//! dreamddp's QUIC connections run BBR (quinn's port of BBRv1). BBR paces at its estimate of
-//! the bottleneck bandwidth and lets up to `cwnd = 2 · max_bw · min_rtt` bytes be in flight,
-//! `max_bw` being the largest delivery rate measured over the last ~10 round trips. Two things
-//! follow, both measured with `dreamddp link-check` and in `fidelity` runs:
+//! dreamddp's QUIC connections run its own BBR (`transport::bbr`): BBRv1's window over the
+//! IETF draft's delivery-rate samples. It lets up to `cwnd = 2 · max_bw · min_rtt` bytes be in
+//! flight, `max_bw` being the largest delivery rate measured over the last 10 round trips.
+//! (Until 2026-12-05 they ran quinn's BBR, whose per-ACK-frame samples bunched acknowledgements
+//! inflate; its windows were 3.4–11× this one and its queues seconds long: docs/fidelity.md.)
+//! Two things follow, both measured with `dreamddp link-check` and in `fidelity` runs:
 //!
 //! * **A standing queue.** What the path cannot hold (`rate · round trip`) waits in the
 //!   bottleneck's queue: on a constant link one extra `min_rtt`; on a bursty trace more, since
-//!   `max_bw` follows the bursts. The relay measured mean waits of 0.1–0.4 s on a 10 Mbit/s,
-//!   30 ms link and 1.8–3.4 s on the ATT LTE uplink trace.
+//!   `max_bw` follows the bursts. With quinn's BBR the relay measured mean waits of 0.1–0.4 s
+//!   on a 10 Mbit/s, 30 ms link and 1.8–3.4 s on the ATT LTE uplink trace; with dreamddp's,
+//!   loaded both ways, 9–38 ms and 0.2–0.6 s.
 //! * **A window-bound sender when acknowledgements are late.** A connection's acknowledgements
 //!   travel the other direction of the same access link, behind that direction's queue. With a
 //!   round trip far above `min_rtt` the window, not the link, bounds the rate (`cwnd / rtt`): in
-//!   `fidelity-smoke` a device whose uplink held a 2 s queue received 2.7 MB in 45 s over a
-//!   downlink that could carry 25 MB.
+//!   `fidelity-smoke`, with quinn's BBR, a device whose uplink held a 2 s queue received 2.7 MB
+//!   in 45 s over a downlink that could carry 25 MB.
 //!
 //! The simulated sender ([`super::MuxLink`]) sends while its bytes in flight (sent, not yet
 //! acknowledged) fit [`Bbr::cwnd`], and delays each packet's arrival by the queue that window
@@ -26,10 +29,11 @@
 //! ([`super::MuxLink::carry_acks_on`]; the ATT LTE uplink trace has a mean wait of 140 ms for
 //! one and stalls of up to 4 s).
 //!
-//! Approximations: no startup overshoot, no ProbeRTT drain, no loss-triggered recovery window,
-//! no ack-aggregation allowance (quinn adds the largest recent ack burst to its window, which
-//! is why its measured windows exceed `2 · BDP`); the window is recomputed per `min_rtt` slot,
-//! a packet's queue wait at the end of its serialization.
+//! Approximations: no startup overshoot; `max_bw` is the link's capacity over `min_rtt` slots,
+//! where the real estimator measures delivery rates over intervals of at least `min_rtt`, keeps
+//! them for 10 round trips (longer than 10 `min_rtt` when queues build), and lets them fall when
+//! the sender is window-bound behind a long reverse queue; the window is recomputed per
+//! `min_rtt` slot, a packet's queue wait at the end of its serialization.
 
 use super::Capacity;
 use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
