@@ -349,7 +349,6 @@ pub struct DeliveryBbr {
     estimator: Estimator,
     /// Bytes in flight as of the last acknowledgement batch, plus what was sent since.
     in_flight: u64,
-    min_rtt: Duration,
     last_logged_round: u64,
 }
 
@@ -369,8 +368,7 @@ impl Controller for DeliveryBbr {
         _app_limited: bool,
         rtt: &quinn_proto::RttEstimator,
     ) {
-        self.min_rtt = rtt.min();
-        self.estimator.on_ack(now, sent, bytes, self.min_rtt);
+        self.estimator.on_ack(now, sent, bytes, rtt.min());
     }
 
     fn on_end_acks(
@@ -390,7 +388,7 @@ impl Controller for DeliveryBbr {
                 bandwidth = self.estimator.bandwidth(),
                 window = self.estimator.window(),
                 filled_pipe = self.estimator.filled_pipe,
-                min_rtt_ms = self.min_rtt.as_secs_f64() * 1e3,
+                min_rtt_ms = self.estimator.min_rtt.unwrap_or_default().as_secs_f64() * 1e3,
                 app_limited,
                 "[BBR] state"
             );
@@ -436,7 +434,6 @@ impl ControllerFactory for DeliveryBbrConfig {
         Box::new(DeliveryBbr {
             estimator: Estimator::new(u64::from(current_mtu)),
             in_flight: 0,
-            min_rtt: Duration::ZERO,
             last_logged_round: 0,
         })
     }
