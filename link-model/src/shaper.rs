@@ -178,7 +178,7 @@ impl LinkShaper {
 
         let random_lost = self.loss_rng.bernoulli(self.params.loss);
         let burst_lost = match &mut self.gilbert_elliott {
-            Some(chain) => chain.next_packet_lost(&mut self.burst_rng),
+            Some(chain) => chain.packet_lost_at(now, &mut self.burst_rng),
             None => false,
         };
         let jitter = self.jitter_rng.below_inclusive(self.params.jitter_ns);
@@ -317,6 +317,7 @@ mod tests {
             p_bad_to_good: 0.2,
             loss_good: 0.0,
             loss_bad: 0.8,
+            step_ms: None,
         };
         let spec = RelayLinkSpec {
             gilbert_elliott: Some(ge),
@@ -634,6 +635,7 @@ mod tests {
                 p_bad_to_good: 0.3,
                 loss_good: 0.0,
                 loss_bad: 0.6,
+                step_ms: None,
             }),
             queue_ms: Some(20.0),
             ..RelayLinkSpec::default()

@@ -47,7 +47,8 @@ pub struct LinkSpec {
     /// I.i.d. drop probability in `[0, 1]`.
     #[serde(default)]
     pub loss: f64,
-    /// Bursty loss (a Gilbert–Elliott chain stepped once per datagram), in addition to `loss`.
+    /// Bursty loss (a Gilbert–Elliott chain stepped once per datagram, or once per `step_ms`), in
+    /// addition to `loss`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gilbert_elliott: Option<GilbertElliottSpec>,
     /// Windows (seconds since the relay started) during which every datagram is dropped.
@@ -251,6 +252,9 @@ impl LinkSpec {
             probability("gilbert_elliott.p_bad_to_good", ge.p_bad_to_good)?;
             probability("gilbert_elliott.loss_good", ge.loss_good)?;
             probability("gilbert_elliott.loss_bad", ge.loss_bad)?;
+            if let Some(step_ms) = ge.step_ms {
+                positive_nanos("gilbert_elliott.step_ms", step_ms, NANOS_PER_MILLI)?;
+            }
         }
         let mut windows = Vec::with_capacity(self.outages.len());
         for (i, outage) in self.outages.iter().enumerate() {
@@ -399,6 +403,10 @@ queue_ms = 50
         assert_eq!(
             error_of("gilbert_elliott = { p_good_to_bad = 2, p_bad_to_good = 0.1 }"),
             "gilbert_elliott.p_good_to_bad must be in [0,1], got 2"
+        );
+        assert_eq!(
+            error_of("gilbert_elliott = { p_good_to_bad = 0.1, p_bad_to_good = 0.1, step_ms = 0 }"),
+            "gilbert_elliott.step_ms must be finite and > 0, got 0"
         );
         assert!(
             error_of("bandwidth = \"1mbit\"\ntrace = { path = \"x\", format = \"mahimahi\" }")

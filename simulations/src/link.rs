@@ -16,7 +16,8 @@
 //! * The sender keeps the link busy (a rate-based, BBR-like sender: random loss does not shrink a
 //!   congestion window; congestion control is not modelled).
 //! * A packet is lost if its serialization ends inside an outage, or by the random loss model
-//!   (i.i.d. `loss` and/or a Gilbert–Elliott chain advanced once per packet sent). Loss and jitter
+//!   (i.i.d. `loss` and/or a Gilbert–Elliott chain advanced once per packet sent, or once per
+//!   `step_ms` of time). Loss and jitter
 //!   draws are taken for every packet, outage or not, so that an outage does not shift the random
 //!   streams of the packets after it.
 //! * A delivered packet arrives after `latency + U[0, jitter]`; its acknowledgement returns after
@@ -377,11 +378,12 @@ impl Link {
         }
     }
 
-    /// Random loss decision for one packet (always draws, so outages do not shift the stream).
-    fn random_loss(&mut self) -> bool {
+    /// Random loss decision for one packet sent at `t` (always draws, so outages do not shift
+    /// the stream).
+    fn random_loss(&mut self, t: SimTime) -> bool {
         let iid = self.loss_rng.bernoulli(self.params.loss);
         let bursty = match &mut self.gilbert_elliott {
-            Some(ge) => ge.next_packet_lost(&mut self.loss_rng),
+            Some(ge) => ge.packet_lost_at(t.as_nanos(), &mut self.loss_rng),
             None => false,
         };
         iid || bursty
@@ -401,7 +403,7 @@ impl Link {
         let Some(end) = self.transmit(t, size) else {
             return PacketFate::TraceExhausted;
         };
-        let randomly_lost = self.random_loss();
+        let randomly_lost = self.random_loss(t);
         let jitter = self.jitter_sample();
         let arrival =
             (!randomly_lost && !self.in_outage(end)).then(|| end + self.params.latency + jitter);
@@ -669,6 +671,7 @@ mod tests {
             p_bad_to_good: 0.2,
             loss_good: 0.0,
             loss_bad: 0.5,
+            step_ms: None,
         });
         spec.outages.push(OutageSpec {
             start_s: 1.0,
@@ -726,6 +729,7 @@ mod tests {
                     p_bad_to_good: 0.1,
                     loss_good: 0.0,
                     loss_bad: 1.0,
+                    step_ms: None,
                 })
             },
             "gilbert_elliott.p_good_to_bad must be in [0,1], got 2",
@@ -815,6 +819,7 @@ mod tests {
             p_bad_to_good: 0.3,
             loss_good: 0.0,
             loss_bad: 0.6,
+            step_ms: None,
         });
         let run = |seed: u64| {
             let mut l = link(&spec, seed);
@@ -891,6 +896,7 @@ mod tests {
             p_bad_to_good: 0.2,
             loss_good: 0.01,
             loss_bad: 0.5,
+            step_ms: None,
         };
         let expected = ge.stationary_loss();
         assert!((expected - (10.0 / 11.0 * 0.01 + 1.0 / 11.0 * 0.5)).abs() < 1e-12);
