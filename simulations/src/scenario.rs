@@ -161,6 +161,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ),
     ("edge-outage", include_str!("../scenarios/edge-outage.toml")),
     (
+        "edge-outage-2core",
+        include_str!("../scenarios/edge-outage-2core.toml"),
+    ),
+    (
         "fidelity-smoke",
         include_str!("../scenarios/fidelity-smoke.toml"),
     ),

@@ -200,6 +200,20 @@ pub(super) async fn real(
     let delivered_down = counted_down.await.context("the sending side's receiver")?;
     let cwnd = sampled.await.context("the window sampler")?;
     let stats = relay.stats();
+    for (side, conn) in [("edge", &to_receiver), ("far end", &from_sender)] {
+        let q = conn.stats();
+        tracing::info!(
+            "[QUIC] {side}: {} packets sent, {} declared lost ({} bytes), {} UDP bytes sent, \
+             {} STREAM frames sent, {} ACK frames sent, {} congestion events",
+            q.path.sent_packets,
+            q.path.lost_packets,
+            q.path.lost_bytes,
+            q.udp_tx.bytes,
+            q.frame_tx.stream,
+            q.frame_tx.acks,
+            q.path.congestion_events,
+        );
+    }
     to_receiver.close("link-check done");
     sender.close();
     receiver.close();

@@ -260,6 +260,11 @@ impl PeerConnection {
         self.inner.connection.rtt()
     }
 
+    /// quinn's counters of the connection (packets sent and lost, frames, UDP bytes).
+    pub fn stats(&self) -> quinn::ConnectionStats {
+        self.inner.connection.stats()
+    }
+
     /// The congestion controller's current window, bytes: what the sender may have in flight.
     pub fn congestion_window(&self) -> u64 {
         self.inner.connection.stats().path.cwnd
