@@ -57,6 +57,7 @@ use thiserror::Error;
 
 mod mux;
 mod queue;
+mod window;
 pub use mux::{MuxEvent, MuxLink};
 
 /// Packets acknowledged after a lost one before it is declared lost (RFC 9002 kPacketThreshold).

@@ -18,9 +18,12 @@
 //! * At each sending opportunity (the end of the previous packet's serialization, once BBR's
 //!   window has room for another packet: [`super::queue`]) the link sends, in this order: the
 //!   oldest declared-lost packet whose retransmission is due, else the next new packet of the
-//!   admitted message at the front of the round-robin, which then moves to the back. Packets, loss, jitter, outages, trace capacity, the RTT estimator and loss
-//!   detection (packet threshold counted over the whole connection, probe timeouts with
-//!   backoff) are [`Link`]'s; each packet's arrival is delayed by the sender's standing queue
+//!   admitted message at the front of the round-robin, which then moves to the back. A lost
+//!   packet keeps its place in the sender's window until loss detection declares it lost
+//!   ([`super::window`]), so a burst of loss fills the window and the sender waits, as QUIC's
+//!   does. Packets, loss, jitter, outages, trace capacity, the RTT estimator and loss detection
+//!   (packet threshold counted over the whole connection, probe timeouts with backoff) are
+//!   [`Link`]'s; each packet's arrival is delayed by the sender's standing queue
 //!   and its acknowledgement by the other direction's ([`MuxLink::set_reverse_delay`]) and,
 //!   when that direction is a trace, by its next delivery opportunity
 //!   ([`MuxLink::carry_acks_on`]: a cellular uplink's stalls hold back the downlink's
@@ -45,6 +48,7 @@
 //! is admitted; streams have equal priority (versions, deltas and acknowledgements share fairly).
 
 use super::queue::Bbr;
+use super::window::SendWindow;
 use super::{Capacity, Link, PacketFate, Transfer, TransferFailure, PACKET_THRESHOLD};
 use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
 use std::cmp::Reverse;
@@ -153,10 +157,8 @@ pub struct MuxLink {
     /// Bytes serialized so far, retransmissions and unfinished messages included.
     serialized: u64,
     bbr: Bbr,
-    /// Bytes sent and not yet acknowledged (or declared lost).
-    bytes_in_flight: u64,
-    /// When each packet in flight leaves the window: (time, bytes).
-    leaves_window: BinaryHeap<Reverse<(SimTime, u64)>>,
+    /// Bytes sent and not yet acknowledged or declared lost.
+    in_flight: SendWindow,
 }
 
 impl MuxLink {
@@ -165,8 +167,7 @@ impl MuxLink {
         let bbr = Bbr::new(link.params.latency, link.params.mtu);
         MuxLink {
             bbr,
-            bytes_in_flight: 0,
-            leaves_window: BinaryHeap::new(),
+            in_flight: SendWindow::default(),
             link,
             window,
             streams: BTreeMap::new(),
@@ -390,8 +391,9 @@ impl MuxLink {
         if let Some((t, _)) = send {
             let cwnd = self.bbr.cwnd(&self.link.capacity, t);
             let mtu = self.link.params.mtu;
-            if self.bytes_in_flight > 0 && self.bytes_in_flight.saturating_add(mtu) > cwnd {
-                if let Some(&Reverse((leaves, _))) = self.leaves_window.peek() {
+            let in_flight = self.in_flight.bytes_in_flight();
+            if in_flight > 0 && in_flight.saturating_add(mtu) > cwnd {
+                if let Some(leaves) = self.in_flight.next_departure() {
                     if leaves > t {
                         send = Some((leaves, Decision::WindowOpens));
                     } else {
@@ -475,16 +477,15 @@ impl MuxLink {
             .bbr
             .wait(&self.link.capacity, &self.link.cursor, start, end);
         let arrival = arrival.map(|a| a + waited);
-        // It leaves the window when its acknowledgement is back (behind the other direction's
-        // queue, at that direction's next opportunity), or about a round trip after it was lost.
+        // Delivered, it leaves the window when its acknowledgement is back (behind the other
+        // direction's queue, at that direction's next opportunity); lost, when loss detection
+        // declares it (`SendWindow`).
         let reverse = self.bbr.reverse_delay();
         let latency = self.link.params.latency;
         let ack_sent = self
             .bbr
             .ack_departure(arrival.unwrap_or(end + latency + waited) + reverse);
         let leaves = ack_sent + latency;
-        self.bytes_in_flight += size;
-        self.leaves_window.push(Reverse((leaves, size)));
         self.free_at = end;
         self.last_packet = Some((id, end));
         self.serialized += size;
@@ -509,6 +510,9 @@ impl MuxLink {
         let s = self.streams.get_mut(&id).expect("sending a live message");
         (s.backoff_exponent[slot], s.deliveries_at_loss[slot]) = (exponent, at_loss);
         if let Some(pto_at) = lost {
+            self.in_flight
+                .sent_lost(size, (id, packet, attempt), pto_at);
+            let s = self.streams.get_mut(&id).expect("sending a live message");
             s.packets_lost += 1;
             self.retransmit.push(Reverse((pto_at, id, packet, attempt)));
             self.awaiting_threshold
@@ -516,6 +520,8 @@ impl MuxLink {
             return;
         }
         let Some(arrival) = arrival else { return };
+        self.in_flight.sent_delivered(size, leaves);
+        let s = self.streams.get_mut(&id).expect("sending a live message");
         s.undelivered -= 1;
         s.undelivered_bytes -= size;
         s.last_arrival = s.last_arrival.max(arrival);
@@ -529,6 +535,8 @@ impl MuxLink {
                 break;
             }
             self.awaiting_threshold.pop_front();
+            self.in_flight
+                .declared_lost((lost_id, lost_packet, lost_attempt), leaves);
             if self
                 .streams
                 .get(&lost_id)
@@ -547,13 +555,7 @@ impl MuxLink {
 
     /// Takes the packets whose acknowledgement (or loss) is known by `t` out of the window.
     fn drain_window(&mut self, t: SimTime) {
-        while let Some(&Reverse((leaves, bytes))) = self.leaves_window.peek() {
-            if leaves > t {
-                break;
-            }
-            self.leaves_window.pop();
-            self.bytes_in_flight -= bytes;
-        }
+        self.in_flight.drain(t);
     }
 
     /// Admits queued messages while the window has room.
