@@ -898,6 +898,7 @@ async fn run_cluster(
             fanout_sends: stats["fanout"]["sends"].as_u64(),
             fanout_bytes: stats["fanout"]["bytes"].as_u64(),
             fanout_superseded: stats["fanout"]["superseded"].as_u64(),
+            fanout_failed: stats["fanout"]["failed"].as_u64(),
             staleness_histogram: stats["staleness_histogram"]
                 .as_array()
                 .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
@@ -982,6 +983,7 @@ async fn run_cluster(
             fanout_sends: None,
             fanout_bytes: None,
             fanout_superseded: None,
+            fanout_failed: None,
             staleness_histogram: Vec::new(),
         });
     }

@@ -68,6 +68,9 @@ pub struct NodeSummary {
     pub fanout_bytes: Option<u64>,
     /// Aggregators: versions a busy subscriber never got because a newer one replaced them.
     pub fanout_superseded: Option<u64>,
+    /// Aggregators: version sends that failed (the subscriber's connection closed, or it
+    /// stopped reading for `cpu_aggregator::server::VERSION_STALL_TIMEOUT`).
+    pub fanout_failed: Option<u64>,
     /// Aggregators: staleness τ of the deltas applied (`τ = 0 .. 15`, then `τ ≥ 16`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub staleness_histogram: Vec<u64>,

@@ -169,6 +169,49 @@ impl PeerConnection {
         }
     }
 
+    /// Writes `frame` on a new stream, finishes it, and waits until the peer has acknowledged
+    /// every byte (QUIC's `stopped`), so a caller that waits for one frame before sending the
+    /// next never has more than that frame in QUIC's buffers. When `timeout` passes first, the
+    /// stream is reset (the peer drops the partial frame) and [`TransportError::Timeout`] is
+    /// returned.
+    pub async fn send_frame_acknowledged(
+        &self,
+        frame: Bytes,
+        timeout: Duration,
+    ) -> Result<(), TransportError> {
+        let deadline = Instant::now() + timeout;
+        let opened = tokio::time::timeout_at(deadline, self.inner.connection.open_uni()).await;
+        let stream = match opened {
+            Err(_elapsed) => return Err(TransportError::timeout_after(self.peer_name(), timeout)),
+            Ok(opened) => opened.map_err(from_connection_error)?,
+        };
+        let mut guard = ResetOnDrop(Some(stream));
+        let delivered = async {
+            let stream = guard.stream();
+            stream
+                .write_chunk(frame)
+                .await
+                .map_err(|e| self.write_error(e))?;
+            stream.finish().map_err(|_| TransportError::Closed)?;
+            match stream.stopped().await {
+                Ok(None) => Ok(()),
+                Ok(Some(code)) => Err(self.write_error(WriteError::Stopped(code))),
+                Err(quinn::StoppedError::ConnectionLost(e)) => Err(from_connection_error(e)),
+                Err(_) => Err(TransportError::Closed),
+            }
+        };
+        match tokio::time::timeout_at(deadline, delivered).await {
+            Err(_elapsed) => Err(TransportError::timeout_after(self.peer_name(), timeout)),
+            Ok(result) => {
+                if result.is_ok() {
+                    // Every byte is acknowledged: nothing to reset.
+                    guard.0 = None;
+                }
+                result
+            }
+        }
+    }
+
     /// Send raw bytes as one stream, unframed (for tests and benchmarks that
     /// need to send what [`PeerConnection::send`] would never produce).
     pub async fn send_frame(&self, frame: &[u8]) -> Result<(), TransportError> {
@@ -688,6 +731,38 @@ mod tests {
         // The peer has every byte: resetting the stream now changes nothing for it, and the
         // connection carries on.
         sent.discard();
+        bounded(to_agg.send(&delta_ack(3, 0))).await.unwrap();
+        assert_eq!(bounded(from_worker.recv()).await.unwrap(), delta_ack(3, 0));
+    }
+
+    #[tokio::test]
+    async fn an_acknowledged_send_returns_once_the_peer_has_the_frame_and_resets_on_a_stall() {
+        let dir = cert_dir(&["agg", "edge"]);
+        let config = TransportConfig::default();
+        let agg = bind(dir.path(), "agg", &config);
+        let edge = bind(dir.path(), "edge", &config);
+        let (to_edge, from_agg) = connect_pair(&agg, &edge, "edge").await;
+        let version = layer_delta(0, 3, 1 << 20);
+        let frame = Bytes::from(protocol::encode_frame(&version).unwrap());
+        bounded(to_edge.send_frame_acknowledged(frame, Duration::from_secs(10)))
+            .await
+            .unwrap();
+        // Every byte was acknowledged, so the whole frame is already at the peer.
+        let arrived = tokio::time::timeout(Duration::from_millis(500), from_agg.recv()).await;
+        assert_eq!(arrived.expect("already received").unwrap(), version);
+
+        // A peer that stops reading: the send times out, its stream is reset, the peer never
+        // sees a partial frame and the connection carries on.
+        let (_dir, _nodes, to_agg, from_worker) = stalled_pair().await;
+        let big = Bytes::from(protocol::encode_frame(&layer_delta(2, 0, 256 << 10)).unwrap());
+        let err = bounded(to_agg.send_frame_acknowledged(big, Duration::from_millis(300)))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, TransportError::Timeout), "{err}");
+        for _ in 0..MAX_UNDELIVERED_MESSAGES {
+            let m = bounded(from_worker.recv()).await;
+            assert!(matches!(m, Ok(Message::DeltaAck(_))), "{m:?}");
+        }
         bounded(to_agg.send(&delta_ack(3, 0))).await.unwrap();
         assert_eq!(bounded(from_worker.recv()).await.unwrap(), delta_ack(3, 0));
     }

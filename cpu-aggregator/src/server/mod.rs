@@ -8,4 +8,4 @@ pub mod run;
 pub mod shard_file;
 
 pub use config::{AggregatorConfigError, AggregatorRunConfig};
-pub use run::{run_aggregator, AggregatorRunError, AggregatorSummary};
+pub use run::{run_aggregator, AggregatorRunError, AggregatorSummary, VERSION_STALL_TIMEOUT};

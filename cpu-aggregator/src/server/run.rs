@@ -104,7 +104,27 @@ pub struct Fanout {
     pub bytes: u64,
     /// Versions replaced by a newer one while they waited for a busy subscriber (never sent).
     pub superseded: u64,
+    /// Version sends that failed: the connection closed, or the stream stalled for
+    /// [`VERSION_STALL_TIMEOUT`].
+    pub failed: u64,
 }
+
+/// How long one layer-version send may take, until the subscriber has acknowledged every
+/// byte, before its stream is reset.
+///
+/// A version's slot (one per subscriber and layer) is busy until the subscriber has the whole
+/// frame; newer versions wait in it meanwhile, the newest replacing older ones. So a slow
+/// subscriber has at most one version per layer in QUIC's buffers and gets the latest one
+/// next, not a backlog. Freeing the slot when the frame was merely buffered let every version
+/// of every layer queue in the connection (up to the subscriber's receive window, 4 MiB for a
+/// device on a cellular link): towards a device on the ATT LTE downlink trace (4.6 Mbit/s on
+/// average) the 1.6 MB first layer of the MNIST MLP shared the link round-robin with the
+/// queued versions of the small layers and never arrived; the device never rebased that layer
+/// and every delta it sent of it was refused as too stale (`dreamddp fidelity default-2core`,
+/// 2026-12-06). A slow link is not a reason to reset either (a reset throws away every byte
+/// already sent): a dead peer is found by QUIC's idle timeout (10 s), which fails the send at
+/// once; this bound is for a peer that keeps its connection alive but stops reading.
+pub const VERSION_STALL_TIMEOUT: Duration = Duration::from_secs(120);
 
 enum Inbound {
     Message {
@@ -116,6 +136,8 @@ enum Inbound {
     VersionSent {
         conn: u64,
         layer: u32,
+        /// The send failed (connection closed, or stalled: [`VERSION_STALL_TIMEOUT`]).
+        failed: bool,
     },
     Connected {
         conn: u64,
@@ -153,9 +175,10 @@ struct Shell {
     broadcast_interval_ms: u64,
     /// `[aggregation] fanout_per_layer_per_s`.
     fanout_per_layer_per_s: u64,
-    /// Per (subscriber, layer): a version send is in progress, and the newest frame waiting
-    /// behind it (older waiting versions are superseded, never queued: a slow subscriber
-    /// gets the latest version, not a backlog).
+    /// Per (subscriber, layer): a version send is in progress (until the subscriber has
+    /// acknowledged it: [`VERSION_STALL_TIMEOUT`]), and the newest frame waiting behind it
+    /// (older waiting versions are superseded, never queued: a slow subscriber gets the latest
+    /// version, not a backlog).
     version_slots: HashMap<(u64, u32), Option<bytes::Bytes>>,
     /// What the broadcasts cost: per-subscriber version sends, their frame bytes, and
     /// versions replaced by a newer one before a busy subscriber could take them.
@@ -610,7 +633,12 @@ impl Shell {
                 }
             }
             Inbound::BadPeer => self.bad_peers += 1,
-            Inbound::VersionSent { conn, layer } => {
+            Inbound::VersionSent {
+                conn,
+                layer,
+                failed,
+            } => {
+                self.fanout.failed += u64::from(failed);
                 let next = self.version_slots.remove(&(conn, layer)).flatten();
                 if let Some(frame) = next {
                     self.send_version(conn, layer, frame);
@@ -1019,8 +1047,8 @@ impl Shell {
             .is_some_and(|c| c.peer_name() == self.coordinator_name)
     }
 
-    /// Sends one layer-version frame to a subscriber; its completion frees the slot, but not
-    /// before the version interval has passed since the send began (`broadcast_interval_ms`,
+    /// Sends one layer-version frame to a subscriber; its acknowledgement frees the slot, but
+    /// not before the version interval has passed since the send began (`broadcast_interval_ms`,
     /// or the fan-out budget shared by the subscribers, whichever is longer; newer versions
     /// wait in the slot meanwhile, the newest replacing the older).
     fn send_version(&mut self, conn: u64, layer: u32, frame: bytes::Bytes) {
@@ -1030,7 +1058,6 @@ impl Shell {
         self.version_slots.insert((conn, layer), None);
         self.fanout.sends += 1;
         self.fanout.bytes += frame.len() as u64;
-        let timeout = self.send_timeout;
         let interval = version_interval(
             self.broadcast_interval_ms,
             self.fanout_per_layer_per_s,
@@ -1039,9 +1066,23 @@ impl Shell {
         let done = self.inbound_tx.clone();
         tokio::spawn(async move {
             let started = tokio::time::Instant::now();
-            let _ = link.send_frame_with_timeout(frame, timeout).await;
+            let bytes = frame.len();
+            let failed = match link
+                .send_frame_acknowledged(frame, VERSION_STALL_TIMEOUT)
+                .await
+            {
+                Ok(()) => false,
+                Err(e) => {
+                    debug!("version send: layer={layer} bytes={bytes} to {conn} failed: {e}");
+                    true
+                }
+            };
             tokio::time::sleep_until(started + interval).await;
-            let _ = done.send(Inbound::VersionSent { conn, layer });
+            let _ = done.send(Inbound::VersionSent {
+                conn,
+                layer,
+                failed,
+            });
         });
     }
 

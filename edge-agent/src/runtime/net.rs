@@ -379,6 +379,12 @@ impl Ctx {
                     let _ = self.events.send(NetEvent::Message(Message::LayerMap(map)));
                 }
                 Ok(Message::LayerVersion(v)) => {
+                    debug!(
+                        "version received: layer={} version={} bytes={}",
+                        v.layer_id,
+                        v.version,
+                        v.payload.len()
+                    );
                     let notify = self.versions.put(v);
                     if notify
                         && self

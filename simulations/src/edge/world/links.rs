@@ -162,24 +162,9 @@ impl World<'_> {
         self.count_link_bytes(r);
         for event in self.link_mut(r).take_events() {
             match event {
-                MuxEvent::Admitted { id, .. } => {
-                    let Some(f) = self.in_flight.get(&(r, id)) else {
-                        continue;
-                    };
-                    if let (
-                        1,
-                        Cargo::ToNode {
-                            node,
-                            gen,
-                            version: Some((layer, _)),
-                            ..
-                        },
-                    ) = (f.hop, &*f.cargo)
-                    {
-                        let (node, gen, layer) = (*node, *gen, *layer);
-                        self.free_version_slot(node, gen, layer);
-                    }
-                }
+                // A version's slot frees when the node has it (`arrive`) or it is lost, as the
+                // real aggregator's frees when the subscriber acknowledged it.
+                MuxEvent::Admitted { .. } => {}
                 MuxEvent::Finished { id, transfer, .. } => {
                     let Some(f) = self.in_flight.remove(&(r, id)) else {
                         continue;
@@ -272,7 +257,16 @@ impl World<'_> {
                 self.aggs[agg].state.handle_message(now, wire, msg);
                 self.pump_agg(agg);
             }
-            Cargo::ToNode { node, gen, msg, .. } => {
+            Cargo::ToNode {
+                node,
+                gen,
+                msg,
+                version,
+                ..
+            } => {
+                if let Some((layer, _)) = version {
+                    self.free_version_slot(node, gen, layer);
+                }
                 let n = &mut self.nodes[node];
                 if n.gen != gen {
                     return;
@@ -335,8 +329,7 @@ impl World<'_> {
         self.try_send_versions(node);
     }
 
-    /// The frame of `layer`'s version for `node` entered the send window (or was lost): its
-    /// slot is free.
+    /// The frame of `layer`'s version for `node` reached it (or was lost): its slot is free.
     fn free_version_slot(&mut self, node: usize, gen: u64, layer: u32) {
         if self.nodes[node].gen == gen && self.nodes[node].version_busy.remove(&layer) {
             self.try_send_versions(node);
