@@ -152,12 +152,7 @@ impl PeerConnection {
         let deadline = Instant::now() + timeout;
         let frame = self.encode(msg)?;
         let len = frame.len();
-        let opened = tokio::time::timeout_at(deadline, self.inner.connection.open_uni()).await;
-        let stream = match opened {
-            Err(_elapsed) => return Err(TransportError::timeout_after(self.peer_name(), timeout)),
-            Ok(opened) => opened.map_err(from_connection_error)?,
-        };
-        let mut guard = ResetOnDrop(Some(stream));
+        let mut guard = self.open_stream_by(deadline, timeout).await?;
         match tokio::time::timeout_at(deadline, guard.stream().write_chunk(frame)).await {
             Err(_elapsed) => Err(TransportError::timeout_after(self.peer_name(), timeout)),
             Ok(written) => {
@@ -180,12 +175,7 @@ impl PeerConnection {
         timeout: Duration,
     ) -> Result<(), TransportError> {
         let deadline = Instant::now() + timeout;
-        let opened = tokio::time::timeout_at(deadline, self.inner.connection.open_uni()).await;
-        let stream = match opened {
-            Err(_elapsed) => return Err(TransportError::timeout_after(self.peer_name(), timeout)),
-            Ok(opened) => opened.map_err(from_connection_error)?,
-        };
-        let mut guard = ResetOnDrop(Some(stream));
+        let mut guard = self.open_stream_by(deadline, timeout).await?;
         let delivered = async {
             let stream = guard.stream();
             stream
@@ -209,6 +199,19 @@ impl PeerConnection {
                 }
                 result
             }
+        }
+    }
+
+    /// Opens a stream by `deadline` (`timeout` is only for the error), reset if dropped before
+    /// it is finished.
+    async fn open_stream_by(
+        &self,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<ResetOnDrop, TransportError> {
+        match tokio::time::timeout_at(deadline, self.inner.connection.open_uni()).await {
+            Err(_elapsed) => Err(TransportError::timeout_after(self.peer_name(), timeout)),
+            Ok(opened) => Ok(ResetOnDrop(Some(opened.map_err(from_connection_error)?))),
         }
     }
 
@@ -759,12 +762,7 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, TransportError::Timeout), "{err}");
-        for _ in 0..MAX_UNDELIVERED_MESSAGES {
-            let m = bounded(from_worker.recv()).await;
-            assert!(matches!(m, Ok(Message::DeltaAck(_))), "{m:?}");
-        }
-        bounded(to_agg.send(&delta_ack(3, 0))).await.unwrap();
-        assert_eq!(bounded(from_worker.recv()).await.unwrap(), delta_ack(3, 0));
+        only_the_queued_acks_then_the_next_message(&to_agg, &from_worker).await;
     }
 
     #[tokio::test]
@@ -779,6 +777,15 @@ mod tests {
             "the send should still be blocked on flow control"
         );
         // The peer never sees a truncated frame: only the queued acks, then the next message.
+        only_the_queued_acks_then_the_next_message(&to_agg, &from_worker).await;
+    }
+
+    /// After a reset on a [`stalled_pair`]: the aggregator reads only the acks queued before
+    /// it (never a partial frame), then the connection carries the next message.
+    async fn only_the_queued_acks_then_the_next_message(
+        to_agg: &PeerConnection,
+        from_worker: &PeerConnection,
+    ) {
         for _ in 0..MAX_UNDELIVERED_MESSAGES {
             let m = bounded(from_worker.recv()).await;
             assert!(matches!(m, Ok(Message::DeltaAck(_))), "{m:?}");

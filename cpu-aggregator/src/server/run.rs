@@ -115,15 +115,12 @@ pub struct Fanout {
 /// A version's slot (one per subscriber and layer) is busy until the subscriber has the whole
 /// frame; newer versions wait in it meanwhile, the newest replacing older ones. So a slow
 /// subscriber has at most one version per layer in QUIC's buffers and gets the latest one
-/// next, not a backlog. Freeing the slot when the frame was merely buffered let every version
-/// of every layer queue in the connection (up to the subscriber's receive window, 4 MiB for a
-/// device on a cellular link): towards a device on the ATT LTE downlink trace (4.6 Mbit/s on
-/// average) the 1.6 MB first layer of the MNIST MLP shared the link round-robin with the
-/// queued versions of the small layers and never arrived; the device never rebased that layer
-/// and every delta it sent of it was refused as too stale (`dreamddp fidelity default-2core`,
-/// 2026-12-06). A slow link is not a reason to reset either (a reset throws away every byte
-/// already sent): a dead peer is found by QUIC's idle timeout (10 s), which fails the send at
-/// once; this bound is for a peer that keeps its connection alive but stops reading.
+/// next, not a backlog (freeing the slot once the frame was merely buffered queued every
+/// version in the connection, and a large layer never reached a device on a cellular link:
+/// docs/fidelity.md, "Layer versions that never reached a slow device"). A slow link is not a
+/// reason to reset either (a reset throws away every byte already sent): a dead peer is found
+/// by QUIC's idle timeout, which fails the send at once; this bound is for a peer that keeps
+/// its connection alive but stops reading.
 pub const VERSION_STALL_TIMEOUT: Duration = Duration::from_secs(120);
 
 enum Inbound {

@@ -512,7 +512,6 @@ impl MuxLink {
         if let Some(pto_at) = lost {
             self.in_flight
                 .sent_lost(size, (id, packet, attempt), pto_at);
-            let s = self.streams.get_mut(&id).expect("sending a live message");
             s.packets_lost += 1;
             self.retransmit.push(Reverse((pto_at, id, packet, attempt)));
             self.awaiting_threshold
@@ -521,7 +520,6 @@ impl MuxLink {
         }
         let Some(arrival) = arrival else { return };
         self.in_flight.sent_delivered(size, leaves);
-        let s = self.streams.get_mut(&id).expect("sending a live message");
         s.undelivered -= 1;
         s.undelivered_bytes -= size;
         s.last_arrival = s.last_arrival.max(arrival);

@@ -3,11 +3,8 @@
 //! A delivered packet leaves the window when its acknowledgement is back. A lost one stays in
 //! it until loss detection declares it lost, as in QUIC (RFC 9002 §6): when enough later
 //! packets are acknowledged (the packet threshold), or at its probe timeout, whichever comes
-//! first. Until 2026-12-05 a lost packet left the window about a round trip after it was sent,
-//! so in a burst of loss the simulated sender kept the link busy while the real one, its window
-//! full of packets nobody acknowledged, waited for a probe timeout (`link-check` with
-//! Gilbert–Elliott loss on one direction: the real sender moved 0.37–0.45x the modelled bytes;
-//! docs/fidelity.md).
+//! first. So in a burst of loss the window fills and the sender waits for a probe timeout, as
+//! the real one does (docs/fidelity.md, "Lost packets stay in the window").
 
 use crate::time::SimTime;
 use std::cmp::Reverse;
