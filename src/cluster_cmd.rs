@@ -427,7 +427,7 @@ async fn run_cluster(
     // Trainers (and the relays in front of lossy edges).
     let world: usize = file.workers.iter().map(|w| w.workers).sum::<usize>() + file.edges.len();
     let mut trainers = Vec::new();
-    let mut relays: Vec<(String, RelayHandle)> = Vec::new();
+    let mut relays: Vec<(String, String, RelayHandle)> = Vec::new();
     let mut rank = 0usize;
     let mut next_id = 100u64;
     let mut specs: Vec<TrainerSpec> = Vec::new();
@@ -494,7 +494,7 @@ async fn run_cluster(
                 .await
                 .with_context(|| format!("relay for {name}"))?;
                 overrides.insert(upstream, handle.local_addr());
-                relays.push((spec.link_class.clone(), handle));
+                relays.push((spec.link_class.clone(), name.clone(), handle));
             }
         }
         let cfg = NodeRunConfig {
@@ -662,7 +662,7 @@ async fn run_cluster(
             );
             let relay_bytes: u64 = relays
                 .iter()
-                .map(|(_, r)| {
+                .map(|(_, _, r)| {
                     let s = r.stats();
                     s.up.bytes_out + s.down.bytes_out
                 })
@@ -836,11 +836,16 @@ async fn run_cluster(
     exits.insert("coordinator".into(), status);
     let mut relay_dropped = 0;
     let mut relay_bytes_by_link_class: BTreeMap<String, u64> = BTreeMap::new();
+    let mut relay_bytes_by_link: BTreeMap<String, u64> = BTreeMap::new();
     let mut relay_datagrams: BTreeMap<String, u64> = BTreeMap::new();
-    for (class, r) in relays {
+    for (class, node, r) in relays {
         let s = r.stats();
         relay_dropped += s.up.dropped.total() + s.down.dropped.total();
         *relay_bytes_by_link_class.entry(class).or_default() += s.up.bytes_out + s.down.bytes_out;
+        *relay_bytes_by_link.entry(format!("{node}.up")).or_default() += s.up.bytes_out;
+        *relay_bytes_by_link
+            .entry(format!("{node}.down"))
+            .or_default() += s.down.bytes_out;
         for d in [s.up, s.down] {
             for (k, v) in [
                 ("datagrams_in", d.datagrams_in),
@@ -1091,6 +1096,7 @@ async fn run_cluster(
         warnings,
         series,
         relay_bytes_by_link_class,
+        relay_bytes_by_link,
         trainers_seconds,
         trainers_started_unix_s,
         divergence_warnings,

@@ -196,6 +196,9 @@ pub struct ClusterSummary {
     /// Bytes the relays forwarded (datagram payloads, both directions, QUIC headers and
     /// acknowledgements included) by the relayed node's link class.
     pub relay_bytes_by_link_class: BTreeMap<String, u64>,
+    /// The same by relayed link: `NODE.up` (node to aggregators) and `NODE.down`, summed over
+    /// the node's relays (one per aggregator).
+    pub relay_bytes_by_link: BTreeMap<String, u64>,
     /// Seconds from the trainers' start to the end of the run (their last exit, or the stop).
     pub trainers_seconds: f64,
     /// When the trainers were started, seconds since the Unix epoch (the origin of `series`).

@@ -103,6 +103,39 @@ pub struct StrategyFidelity {
     pub real_problems: Vec<String>,
     /// Real runs this row summarizes (1 unless `--real-runs`).
     pub real_runs: usize,
+    /// Bytes per relayed access link (`NODE.up`, `NODE.down`) in both engines, for the links
+    /// both recorded (empty when either did not: a report from before they were counted).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub links: BTreeMap<String, LinkBytes>,
+}
+
+/// One access link's bytes in both engines.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LinkBytes {
+    /// Simulated (retransmissions included).
+    pub sim: u64,
+    /// Forwarded by the real relays (QUIC headers and acknowledgements included).
+    pub real: u64,
+    /// `(sim − real) / real`.
+    pub error: Option<f64>,
+}
+
+/// The links both results counted, with both counts.
+fn link_bytes(sim: &StrategyResult, real: &StrategyResult) -> BTreeMap<String, LinkBytes> {
+    sim.bytes_by_link
+        .iter()
+        .filter_map(|(name, &s)| {
+            let &r = real.bytes_by_link.get(name)?;
+            Some((
+                name.clone(),
+                LinkBytes {
+                    sim: s,
+                    real: r,
+                    error: signed_error(s as f64, r as f64),
+                },
+            ))
+        })
+        .collect()
 }
 
 /// `fidelity.json`.
@@ -216,6 +249,7 @@ pub fn compare_results(
         real_pace_overruns,
         real_problems,
         real_runs: 1,
+        links: link_bytes(sim, r),
     }
 }
 
@@ -295,6 +329,22 @@ pub fn aggregate(runs: &[StrategyFidelity]) -> StrategyFidelity {
             })
             .collect(),
         real_runs: runs.len(),
+        links: first
+            .links
+            .iter()
+            .filter_map(|(name, l)| {
+                let real: Vec<f64> = runs
+                    .iter()
+                    .filter_map(|r| r.links.get(name).map(|x| x.real as f64))
+                    .collect();
+                (real.len() == runs.len()).then(|| {
+                    let real = mean(&real).unwrap_or(0.0).round() as u64;
+                    let error = signed_error(l.sim as f64, real as f64);
+                    let (sim, name) = (l.sim, name.clone());
+                    (name, LinkBytes { sim, real, error })
+                })
+            })
+            .collect(),
     }
 }
 
@@ -379,6 +429,30 @@ fn print_report(r: &FidelityReport) {
         }
         for p in &s.real_problems {
             println!("[WARN] {}: real run: {p}", s.strategy);
+        }
+    }
+    print_links(r);
+}
+
+/// Per strategy, one line per node: its uplink's and downlink's MiB in both engines.
+fn print_links(r: &FidelityReport) {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    for s in r.strategies.iter().filter(|s| !s.links.is_empty()) {
+        println!("{}: MiB per access link, sim / real (error)", s.strategy);
+        let nodes: std::collections::BTreeSet<&str> = s
+            .links
+            .keys()
+            .filter_map(|k| k.rsplit_once('.').map(|(n, _)| n))
+            .collect();
+        for node in nodes {
+            let cell = |dir: &str| {
+                s.links
+                    .get(&format!("{node}.{dir}"))
+                    .map_or("-".to_string(), |l| {
+                        format!("{:.1} / {:.1} ({})", mib(l.sim), mib(l.real), pct(l.error))
+                    })
+            };
+            println!("  {node:<10} up {:<28} down {}", cell("up"), cell("down"));
         }
     }
 }
@@ -614,6 +688,14 @@ mod tests {
             real_pace_overruns: 1,
             real_problems: problems.iter().map(|p| p.to_string()).collect(),
             real_runs: 1,
+            links: BTreeMap::from([(
+                "edge-0.up".to_string(),
+                LinkBytes {
+                    sim: 120,
+                    real: bytes,
+                    error: None,
+                },
+            )]),
         }
     }
 
@@ -632,6 +714,10 @@ mod tests {
         assert!((a.real_final_accuracy.unwrap() - (0.908 + 0.716 + 0.888) / 3.0).abs() < 1e-9);
         assert_eq!(a.real_bytes, 100);
         assert!((a.bytes_error.unwrap() - 0.2).abs() < 1e-9);
+        // Each link's real bytes are the runs' mean too.
+        let link = &a.links["edge-0.up"];
+        assert_eq!((link.sim, link.real), (120, 100));
+        assert!((link.error.unwrap() - 0.2).abs() < 1e-9);
         assert_eq!(a.real_pace_overruns, 3);
         assert_eq!(a.real_problems, vec!["run 2: edge-1 lost".to_string()]);
         // One of three reached it: never.

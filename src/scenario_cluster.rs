@@ -492,6 +492,7 @@ pub fn strategy_result(
         virtual_seconds: c.trainers_seconds,
         bytes_sent: c.relay_bytes_by_link_class.values().sum(),
         bytes_by_link_class: c.relay_bytes_by_link_class.clone(),
+        bytes_by_link: c.relay_bytes_by_link.clone(),
         weak_sync_events: c.weak_sync_events,
         undelivered_deltas: trainers.iter().filter_map(|n| n.undelivered).sum(),
         cached_at_end: trainers.iter().filter_map(|n| n.cached_at_end).sum(),

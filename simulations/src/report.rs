@@ -57,6 +57,10 @@ pub struct StrategyResult {
     pub bytes_sent: u64,
     /// Bytes per link class (e.g. `cloud`, `edge`, `inter-dc`).
     pub bytes_by_link_class: BTreeMap<String, u64>,
+    /// Edge kind: bytes per access link, by `NODE.up` (node to aggregators) and `NODE.down`
+    /// (aggregators to node), so two runs can be compared link by link (`fidelity`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub bytes_by_link: BTreeMap<String, u64>,
     /// Layer exchanges that missed their deadline and went to the weak-sync cache.
     pub weak_sync_events: u64,
     /// Deltas neither applied nor still cached at the end (must be 0: the invariant).

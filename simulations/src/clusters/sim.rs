@@ -465,6 +465,7 @@ impl<'a> Simulation<'a> {
             virtual_seconds,
             bytes_sent: bytes,
             bytes_by_link_class,
+            bytes_by_link: BTreeMap::new(),
             weak_sync_events: 0,
             undelivered_deltas: 0,
             cached_at_end: 0,

@@ -1670,6 +1670,7 @@ impl<'a> World<'a> {
             virtual_seconds: end_s,
             bytes_sent: self.bytes_total,
             bytes_by_link_class: self.bytes_by_class.clone(),
+            bytes_by_link: self.bytes_by_link(),
             weak_sync_events: self.weak_sync_events,
             undelivered_deltas: check.undelivered,
             cached_at_end: check.cached_or_in_flight,

@@ -18,6 +18,7 @@
 //! which is what blocks the aggregator's write of a version. On an aggregator's own links,
 //! the transport default.
 
+use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use protocol::Message;
@@ -141,6 +142,23 @@ impl World<'_> {
         let class = self.class_of(r);
         *self.bytes_by_class.entry(class.to_string()).or_default() += new;
         self.bytes_total += new;
+    }
+
+    /// Bytes counted so far on each link, by `NODE.up` / `NODE.down` (`agg-A.up` / `agg-A.down`
+    /// for an aggregator's own access link).
+    pub(super) fn bytes_by_link(&self) -> BTreeMap<String, u64> {
+        self.bytes_counted
+            .iter()
+            .map(|(r, &bytes)| {
+                let name = match *r {
+                    LinkRef::NodeUp(i) => format!("{}.up", self.nodes[i].name),
+                    LinkRef::NodeDown(i) => format!("{}.down", self.nodes[i].name),
+                    LinkRef::AggUp(a) => format!("agg-{a}.up"),
+                    LinkRef::AggDown(a) => format!("agg-{a}.down"),
+                };
+                (name, bytes)
+            })
+            .collect()
     }
 
     /// Runs every link up to now and counts its bytes, without handling its events (their
