@@ -664,7 +664,7 @@ async fn run_cluster(
                 .iter()
                 .map(|(_, _, r)| {
                     let s = r.stats();
-                    s.up.bytes_out + s.down.bytes_out
+                    s.up.bytes_in + s.down.bytes_in
                 })
                 .sum();
             let eval = tokio::task::spawn_blocking(move || -> Result<(Option<f64>, f64)> {
@@ -841,11 +841,11 @@ async fn run_cluster(
     for (class, node, r) in relays {
         let s = r.stats();
         relay_dropped += s.up.dropped.total() + s.down.dropped.total();
-        *relay_bytes_by_link_class.entry(class).or_default() += s.up.bytes_out + s.down.bytes_out;
-        *relay_bytes_by_link.entry(format!("{node}.up")).or_default() += s.up.bytes_out;
+        *relay_bytes_by_link_class.entry(class).or_default() += s.up.bytes_in + s.down.bytes_in;
+        *relay_bytes_by_link.entry(format!("{node}.up")).or_default() += s.up.bytes_in;
         *relay_bytes_by_link
             .entry(format!("{node}.down"))
-            .or_default() += s.down.bytes_out;
+            .or_default() += s.down.bytes_in;
         for d in [s.up, s.down] {
             for (k, v) in [
                 ("datagrams_in", d.datagrams_in),

@@ -141,7 +141,8 @@ pub struct GlobalPoint {
     pub accuracy: Option<f64>,
     /// Test loss.
     pub loss: f64,
-    /// Bytes the relays forwarded so far, both directions, all nodes.
+    /// Bytes the nodes' senders put on the relayed links so far (the relays' `bytes_in`), both
+    /// directions, all nodes.
     pub relay_bytes: u64,
 }
 
@@ -193,8 +194,10 @@ pub struct ClusterSummary {
     pub warnings: Vec<String>,
     /// Evaluations of the global model during the run (`[cluster] eval_every_s`).
     pub series: Vec<GlobalPoint>,
-    /// Bytes the relays forwarded (datagram payloads, both directions, QUIC headers and
-    /// acknowledgements included) by the relayed node's link class.
+    /// Bytes the senders put on the relayed links (the datagram payloads each relay received,
+    /// both directions, QUIC headers and acknowledgements included; datagrams the link model then
+    /// lost included, as a simulated link counts every packet its sender serialized) by the
+    /// relayed node's link class.
     pub relay_bytes_by_link_class: BTreeMap<String, u64>,
     /// The same by relayed link: `NODE.up` (node to aggregators) and `NODE.down`, summed over
     /// the node's relays (one per aggregator).

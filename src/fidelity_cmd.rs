@@ -83,8 +83,8 @@ pub struct StrategyFidelity {
     pub final_accuracy_diff: Option<f64>,
     /// Bytes on the nodes' access links (the simulator's `cloud` + `edge` classes), simulated.
     pub sim_bytes: u64,
-    /// Bytes the real relays forwarded on the nodes' access links (QUIC headers and acks
-    /// included).
+    /// Bytes the real nodes put on their access links (what the relays received: QUIC headers,
+    /// acknowledgements and the datagrams the link then lost included).
     pub real_bytes: u64,
     /// `(sim − real) / real`.
     pub bytes_error: Option<f64>,
@@ -114,7 +114,8 @@ pub struct StrategyFidelity {
 pub struct LinkBytes {
     /// Simulated (retransmissions included).
     pub sim: u64,
-    /// Forwarded by the real relays (QUIC headers and acknowledgements included).
+    /// Put on the link by the real senders (what the relays received: QUIC headers,
+    /// acknowledgements and lost datagrams included).
     pub real: u64,
     /// `(sim − real) / real`.
     pub error: Option<f64>,

@@ -434,8 +434,8 @@ fn aggregation_section(config: &AggregatorConfig) -> AggregationSection {
 }
 
 /// A real run's result in the simulator's schema. Times are wall seconds since the trainers
-/// were started; `bytes_sent` counts what the relays forwarded (QUIC headers and
-/// acknowledgements included) on the nodes' access links, which is what the simulator's
+/// were started; `bytes_sent` counts what the senders put on the relayed links (the
+/// relays' `bytes_in`: QUIC headers, acknowledgements and datagrams the link lost included) on the nodes' access links, which is what the simulator's
 /// `cloud` + `edge` classes count (its `aggregator` class has no relay here). `mean_step_s`
 /// is the run's wall time over each trainer's steps, waiting and draining included (the
 /// simulator's counts compute only; `fidelity` does not compare it).

@@ -52,7 +52,8 @@ impl RealDirection {
     fn new(delivered: u64, stats: &relay::DirectionStats, cwnd_kb: &[f64]) -> RealDirection {
         RealDirection {
             delivered_mb: delivered as f64 / 1e6,
-            wire_mb: stats.bytes_out as f64 / 1e6,
+            // What the sender put on the link, lost datagrams included, as the simulator counts.
+            wire_mb: stats.bytes_in as f64 / 1e6,
             queue_wait_ms: stats.mean_queue_wait_ms(),
             queue_wait_max_ms: stats.queue_wait_ns_max as f64 / 1e6,
             cwnd_mean_kb: cwnd_kb.iter().sum::<f64>() / cwnd_kb.len().max(1) as f64,

@@ -132,8 +132,9 @@ impl World<'_> {
         self.link_mut(r).set_reverse_delay(delay);
     }
 
-    /// Counts the bytes `r` has serialized since the last count (retransmissions and messages
-    /// still on their way included, as the real relays count what they forwarded).
+    /// Counts the bytes `r` has serialized since the last count (retransmissions, lost packets
+    /// and messages still on their way included, as a real relay counts what it received from
+    /// the sender).
     fn count_link_bytes(&mut self, r: LinkRef) {
         let serialized = self.link_mut(r).bytes_serialized();
         let counted = self.bytes_counted.entry(r).or_insert(0);
