@@ -521,7 +521,7 @@ pub fn run(args: FidelityArgs) -> Result<()> {
         bail!("--real-runs must be at least 1 (got 0)");
     }
     if args.real_from.is_some() && args.real_runs != 1 {
-        bail!("--real-from reuses one recorded real run: leave out --real-runs");
+        bail!("--real-from reuses the real runs recorded in its folder: leave out --real-runs");
     }
     let mut loaded: LoadedScenario = scenario_cluster::load(&args.scenario, &args.overrides)?;
     if args.overrides.strategies.is_none() {
@@ -558,9 +558,10 @@ pub fn run(args: FidelityArgs) -> Result<()> {
     let mut reals = Vec::with_capacity(args.real_runs);
     let mut per_run: Vec<Vec<StrategyFidelity>> = Vec::with_capacity(args.real_runs);
     if let Some(from) = &args.real_from {
-        let (real, rows) = crate::fidelity_reuse::recorded(from, &loaded, &sim.strategies)?;
-        per_run.push(rows);
-        reals.push(real);
+        for (real, rows) in crate::fidelity_reuse::recorded_runs(from, &loaded, &sim.strategies)? {
+            per_run.push(rows);
+            reals.push(real);
+        }
     }
     for k in 0..args.real_runs * usize::from(args.real_from.is_none()) {
         let dir = if args.real_runs == 1 {
@@ -591,7 +592,7 @@ pub fn run(args: FidelityArgs) -> Result<()> {
         seed: s.seed,
         target: reals[0].target.clone(),
         strategies,
-        runs: if args.real_runs > 1 {
+        runs: if per_run.len() > 1 {
             per_run
         } else {
             Vec::new()

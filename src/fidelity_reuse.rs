@@ -1,6 +1,7 @@
 //! `fidelity --real-from DIR`: the real side of an earlier `fidelity` run, read back from its
 //! output folder (`DIR/real/summary.json` in the simulator's schema, and each strategy's
-//! `DIR/real/<strategy>/summary.json` for its pace overruns and problems), so that a change
+//! `DIR/real/<strategy>/summary.json` for its pace overruns and problems; `DIR/real/run-K/`
+//! for each run of a `--real-runs` recording), so that a change
 //! to the simulator can be re-checked against the same real runs without running the cluster
 //! again.
 
@@ -12,17 +13,35 @@ use simulations::report::{SimSummary, StrategyResult};
 use crate::fidelity_cmd::{compare_results, StrategyFidelity};
 use crate::scenario_cluster::LoadedScenario;
 
-/// The recorded real run in `dir` and each simulated strategy compared with it.
-pub fn recorded(
+/// The real runs recorded in `dir` (`real/`, or `real/run-1/`, `real/run-2/`, … of a
+/// `--real-runs` recording), each with every simulated strategy compared with it.
+pub fn recorded_runs(
     dir: &Path,
     loaded: &LoadedScenario,
     sims: &[StrategyResult],
+) -> Result<Vec<(SimSummary, Vec<StrategyFidelity>)>> {
+    let real = dir.join("real");
+    if real.join("summary.json").exists() || !real.join("run-1").exists() {
+        return Ok(vec![recorded(&real, loaded, sims)?]);
+    }
+    (1..)
+        .map(|k| real.join(format!("run-{k}")))
+        .take_while(|run| run.exists())
+        .map(|run| recorded(&run, loaded, sims))
+        .collect()
+}
+
+/// The real run recorded in `real_dir` and each simulated strategy compared with it.
+fn recorded(
+    real_dir: &Path,
+    loaded: &LoadedScenario,
+    sims: &[StrategyResult],
 ) -> Result<(SimSummary, Vec<StrategyFidelity>)> {
-    let real_dir = dir.join("real");
     let path = real_dir.join("summary.json");
     let text = std::fs::read_to_string(&path).with_context(|| {
         format!(
-            "--real-from: cannot read {} (a `fidelity --out DIR` folder holds real/summary.json)",
+            "--real-from: cannot read {} (a `fidelity --out DIR` folder holds real/summary.json, \
+             or real/run-K/summary.json after --real-runs)",
             path.display()
         )
     })?;
@@ -102,9 +121,9 @@ mod tests {
         .expect("a StrategyResult")
     }
 
-    fn write_recorded(dir: &Path, toml: &str, seed: u64, strategies: &[&str]) {
-        let real = dir.join("real");
-        std::fs::create_dir_all(&real).unwrap();
+    /// Writes a recorded real run into `real` (a `real/` or `real/run-K/` folder).
+    fn write_recorded(real: &Path, toml: &str, seed: u64, strategies: &[&str]) {
+        std::fs::create_dir_all(real).unwrap();
         let summary = SimSummary {
             scenario: "fidelity-smoke".into(),
             seed,
@@ -133,24 +152,29 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let sims = [result("elastic")];
         // Nothing recorded: the error names the file it looked for.
-        let err = recorded(dir.path(), &loaded, &sims)
+        let err = recorded_runs(dir.path(), &loaded, &sims)
             .unwrap_err()
             .to_string();
         assert!(err.contains("real/summary.json"), "{err}");
         // Another scenario text: refused.
-        write_recorded(dir.path(), "other", loaded.scenario.seed, &["elastic"]);
-        let err = recorded(dir.path(), &loaded, &sims)
+        write_recorded(
+            &dir.path().join("real"),
+            "other",
+            loaded.scenario.seed,
+            &["elastic"],
+        );
+        let err = recorded_runs(dir.path(), &loaded, &sims)
             .unwrap_err()
             .to_string();
         assert!(err.contains("another scenario text or seed"), "{err}");
         // The same text, but not the strategy asked for: the error lists what is there.
         write_recorded(
-            dir.path(),
+            &dir.path().join("real"),
             &loaded.text,
             loaded.scenario.seed,
             &["blocking"],
         );
-        let err = recorded(dir.path(), &loaded, &sims)
+        let err = recorded_runs(dir.path(), &loaded, &sims)
             .unwrap_err()
             .to_string();
         assert!(
@@ -158,11 +182,39 @@ mod tests {
             "{err}"
         );
         // A match: compared cell by cell, with the run's overruns and problems.
-        write_recorded(dir.path(), &loaded.text, loaded.scenario.seed, &["elastic"]);
-        let (real, rows) = recorded(dir.path(), &loaded, &sims).unwrap();
+        write_recorded(
+            &dir.path().join("real"),
+            &loaded.text,
+            loaded.scenario.seed,
+            &["elastic"],
+        );
+        let runs = recorded_runs(dir.path(), &loaded, &sims).unwrap();
+        assert_eq!(runs.len(), 1);
+        let (real, rows) = &runs[0];
         assert_eq!(real.strategies.len(), 1);
         assert_eq!(rows[0].time_to_target_error, Some(0.0));
         assert_eq!(rows[0].real_pace_overruns, 2);
         assert_eq!(rows[0].real_problems, vec!["edge-1 lost".to_string()]);
+    }
+
+    #[test]
+    fn the_runs_of_a_real_runs_recording_are_read_back_in_order() {
+        let loaded = load("fidelity-smoke", &ScenarioOverrides::default()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        for k in 1..=3 {
+            let run = dir.path().join("real").join(format!("run-{k}"));
+            write_recorded(&run, &loaded.text, loaded.scenario.seed, &["elastic"]);
+        }
+        // run-2 holds another seed: the error names that run's file.
+        let run2 = dir.path().join("real").join("run-2");
+        write_recorded(&run2, &loaded.text, loaded.scenario.seed + 1, &["elastic"]);
+        let err = recorded_runs(dir.path(), &loaded, &[result("elastic")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("run-2"), "{err}");
+        write_recorded(&run2, &loaded.text, loaded.scenario.seed, &["elastic"]);
+        let runs = recorded_runs(dir.path(), &loaded, &[result("elastic")]).unwrap();
+        assert_eq!(runs.len(), 3);
+        assert!(runs.iter().all(|(_, rows)| rows[0].real_pace_overruns == 2));
     }
 }
