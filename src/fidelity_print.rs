@@ -1,0 +1,114 @@
+//! The `fidelity` report on the terminal: per strategy the simulated and real time to target,
+//! final accuracy, bytes and weak-sync events with their differences, each real run's values
+//! under `--real-runs`, the real run's warnings, and per access link the bytes in both engines.
+
+use crate::fidelity_cmd::{FidelityReport, StrategyFidelity};
+
+fn pct(v: Option<f64>) -> String {
+    v.map_or("-".into(), |e| format!("{:+.1}%", e * 100.0))
+}
+
+pub(crate) fn secs(v: Option<f64>) -> String {
+    v.map_or("never".into(), |t| format!("{t:.1}"))
+}
+
+fn acc(v: Option<f64>) -> String {
+    v.map_or("-".into(), |a| format!("{:.2}%", a * 100.0))
+}
+
+pub(crate) fn print_report(r: &FidelityReport) {
+    println!();
+    println!(
+        "fidelity of scenario {} (seed {}), target {}: simulated vs real (errors are (sim − real) / real)",
+        r.scenario, r.seed, r.target
+    );
+    println!(
+        "{:<17} {:>9} {:>9} {:>8} {:>9} {:>9} {:>7} {:>10} {:>10} {:>7} {:>9} {:>6}",
+        "strategy",
+        "sim tt s",
+        "real tt s",
+        "tt err",
+        "sim acc",
+        "real acc",
+        "Δ pts",
+        "sim MiB",
+        "real MiB",
+        "B err",
+        "weak s/r",
+        "TV τ"
+    );
+    for s in &r.strategies {
+        println!(
+            "{:<17} {:>9} {:>9} {:>8} {:>9} {:>9} {:>7} {:>10.1} {:>10.1} {:>7} {:>9} {:>6}",
+            s.strategy,
+            secs(s.sim_time_to_target_s),
+            secs(s.real_time_to_target_s),
+            pct(s.time_to_target_error),
+            acc(s.sim_final_accuracy),
+            acc(s.real_final_accuracy),
+            s.final_accuracy_diff
+                .map_or("-".into(), |d| format!("{d:+.2}")),
+            s.sim_bytes as f64 / (1u64 << 20) as f64,
+            s.real_bytes as f64 / (1u64 << 20) as f64,
+            pct(s.bytes_error),
+            format!("{}/{}", s.sim_weak_sync_events, s.real_weak_sync_events),
+            s.staleness_distance
+                .map_or("-".into(), |d| format!("{d:.2}")),
+        );
+        if let Some(runs) = (!r.runs.is_empty()).then_some(&r.runs) {
+            let mine: Vec<&StrategyFidelity> = runs
+                .iter()
+                .filter_map(|run| run.iter().find(|x| x.strategy == s.strategy))
+                .collect();
+            println!(
+                "  {} real runs: time to target {}; final accuracy {}; MiB {}",
+                mine.len(),
+                mine.iter()
+                    .map(|x| secs(x.real_time_to_target_s))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                mine.iter()
+                    .map(|x| acc(x.real_final_accuracy))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                mine.iter()
+                    .map(|x| format!("{:.1}", x.real_bytes as f64 / (1u64 << 20) as f64))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            );
+        }
+        if s.real_pace_overruns > 0 {
+            println!(
+                "[WARN] {}: {} paced steps overran their device class's step time on this machine",
+                s.strategy, s.real_pace_overruns
+            );
+        }
+        for p in &s.real_problems {
+            println!("[WARN] {}: real run: {p}", s.strategy);
+        }
+    }
+    print_links(r);
+}
+
+/// Per strategy, one line per node: its uplink's and downlink's MiB in both engines.
+fn print_links(r: &FidelityReport) {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    for s in r.strategies.iter().filter(|s| !s.links.is_empty()) {
+        println!("{}: MiB per access link, sim / real (error)", s.strategy);
+        let nodes: std::collections::BTreeSet<&str> = s
+            .links
+            .keys()
+            .filter_map(|k| k.rsplit_once('.').map(|(n, _)| n))
+            .collect();
+        for node in nodes {
+            let cell = |dir: &str| {
+                s.links
+                    .get(&format!("{node}.{dir}"))
+                    .map_or("-".to_string(), |l| {
+                        format!("{:.1} / {:.1} ({})", mib(l.sim), mib(l.real), pct(l.error))
+                    })
+            };
+            println!("  {node:<10} up {:<28} down {}", cell("up"), cell("down"));
+        }
+    }
+}
