@@ -12,6 +12,10 @@ pub(crate) fn secs(v: Option<f64>) -> String {
     v.map_or("never".into(), |t| format!("{t:.1}"))
 }
 
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
 fn acc(v: Option<f64>) -> String {
     v.map_or("-".into(), |a| format!("{:.2}%", a * 100.0))
 }
@@ -48,8 +52,8 @@ pub(crate) fn print_report(r: &FidelityReport) {
             acc(s.real_final_accuracy),
             s.final_accuracy_diff
                 .map_or("-".into(), |d| format!("{d:+.2}")),
-            s.sim_bytes as f64 / (1u64 << 20) as f64,
-            s.real_bytes as f64 / (1u64 << 20) as f64,
+            mib(s.sim_bytes),
+            mib(s.real_bytes),
             pct(s.bytes_error),
             format!("{}/{}", s.sim_weak_sync_events, s.real_weak_sync_events),
             s.staleness_distance
@@ -72,7 +76,7 @@ pub(crate) fn print_report(r: &FidelityReport) {
                     .collect::<Vec<_>>()
                     .join(", "),
                 mine.iter()
-                    .map(|x| format!("{:.1}", x.real_bytes as f64 / (1u64 << 20) as f64))
+                    .map(|x| format!("{:.1}", mib(x.real_bytes)))
                     .collect::<Vec<_>>()
                     .join(", "),
             );
@@ -92,7 +96,6 @@ pub(crate) fn print_report(r: &FidelityReport) {
 
 /// Per strategy, one line per node: its uplink's and downlink's MiB in both engines.
 fn print_links(r: &FidelityReport) {
-    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     for s in r.strategies.iter().filter(|s| !s.links.is_empty()) {
         println!("{}: MiB per access link, sim / real (error)", s.strategy);
         let nodes: std::collections::BTreeSet<&str> = s
