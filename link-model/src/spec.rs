@@ -74,7 +74,7 @@ pub struct LinkSpec {
     #[serde(default = "default_mtu", skip_serializing_if = "is_default_mtu")]
     pub mtu: u32,
     /// Simulator: the connection is declared dead after this long without an acknowledgement
-    /// (default 30 s).
+    /// (default 10 s, the transport's `idle_timeout`; a real run always uses the transport's).
     #[serde(
         default = "default_idle_timeout_s",
         skip_serializing_if = "is_default_idle_timeout"
@@ -95,8 +95,9 @@ fn default_mtu() -> u32 {
     1500
 }
 
+/// The transport's idle timeout (`transport::config::TransportConfig::default`).
 fn default_idle_timeout_s() -> f64 {
-    30.0
+    10.0
 }
 
 fn is_default_mtu(mtu: &u32) -> bool {

@@ -57,8 +57,11 @@ use thiserror::Error;
 
 mod mux;
 mod queue;
+mod reconnect;
+mod recovery;
 mod window;
 pub use mux::{MuxEvent, MuxLink};
+pub use reconnect::reconnected_at;
 
 /// Packets acknowledged after a lost one before it is declared lost (RFC 9002 kPacketThreshold).
 pub const PACKET_THRESHOLD: u64 = 3;
@@ -360,6 +363,33 @@ impl Link {
         self.stats
     }
 
+    /// A copy of this link that draws the fate of the acknowledgements crossing it on a random
+    /// stream of its own (same loss, Gilbert–Elliott chain and outages); `None` when it loses
+    /// nothing.
+    pub(crate) fn ack_path(&self) -> Option<Link> {
+        let lossy = self.params.loss > 0.0
+            || self.gilbert_elliott.is_some()
+            || !self.params.outages.is_empty();
+        lossy.then(|| {
+            let mut path = self.clone();
+            path.loss_rng = self.loss_rng.fork("acknowledgements");
+            path.gilbert_elliott = self.spec.gilbert_elliott.map(GilbertElliott::new);
+            path.scratch = TransferScratch::default();
+            path
+        })
+    }
+
+    /// Whether an acknowledgement sent at `t` across this link is lost ([`Link::ack_path`]).
+    pub(crate) fn ack_lost_at(&mut self, t: SimTime) -> bool {
+        let random = self.random_loss(t);
+        random || self.in_outage(t)
+    }
+
+    /// One-way propagation delay (without jitter).
+    pub fn latency(&self) -> SimDuration {
+        self.params.latency
+    }
+
     /// Whether `t` falls inside an outage.
     pub fn in_outage(&self, t: SimTime) -> bool {
         let outages = &self.params.outages;
@@ -625,6 +655,12 @@ mod tests {
 
     fn fast_link() -> LinkSpec {
         LinkSpec::constant(Bandwidth::from_mbit(100), 10.0)
+    }
+
+    #[test]
+    fn the_default_idle_timeout_is_the_transports() {
+        let transport = transport::config::TransportConfig::default().idle_timeout;
+        assert_eq!(LinkSpec::default().idle_timeout_s, transport.as_secs_f64());
     }
 
     fn ms(v: u64) -> SimTime {

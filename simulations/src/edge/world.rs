@@ -265,6 +265,11 @@ enum Event {
     LinkUp {
         node: usize,
     },
+    /// A node's connection, dead since its idle timeout, is up again.
+    Reconnected {
+        node: usize,
+        gen: u64,
+    },
     Rejoin {
         node: usize,
         gen: u64,
@@ -1583,6 +1588,7 @@ impl<'a> World<'a> {
                         self.after_node_activity(node);
                     }
                 }
+                Event::Reconnected { node, gen } => self.reconnected(node, gen),
                 Event::Rejoin { node, gen } => {
                     if self.nodes[node].gen == gen
                         && self.nodes[node].status == Status::Bootstrapping

@@ -19,19 +19,27 @@
 //!   window has room for another packet: [`super::queue`]) the link sends, in this order: the
 //!   oldest declared-lost packet whose retransmission is due, else the next new packet of the
 //!   admitted message at the front of the round-robin, which then moves to the back. A lost
-//!   packet keeps its place in the sender's window until loss detection declares it lost
-//!   ([`super::window`]), so a burst of loss fills the window and the sender waits, as QUIC's
-//!   does. Packets, loss, jitter, outages, trace capacity, the RTT estimator and loss detection
-//!   (packet threshold counted over the whole connection, probe timeouts with backoff) are
-//!   [`Link`]'s; each packet's arrival is delayed by the sender's standing queue
+//!   packet keeps its place in the sender's window until loss detection declares it lost,
+//!   and a delivered one until an acknowledgement for it survives the way back
+//!   ([`super::recovery`], [`super::window`]). A probe timeout declares nothing: with packets
+//!   waiting for news and the window full (or nothing else to send), it lets two probes go
+//!   past the window (the oldest loss again, else new data, else a PING), and each probe
+//!   timeout in a row without an acknowledgement doubles the next (RFC 9002 §6.2). So in a
+//!   burst of loss in either direction, or an outage, the sender sends almost nothing, as
+//!   QUIC's does.
+//!   Packets, loss, jitter, outages, trace capacity and the RTT estimator are [`Link`]'s;
+//!   each packet's arrival is delayed by the sender's standing queue
 //!   and its acknowledgement by the other direction's ([`MuxLink::set_reverse_delay`]) and,
 //!   when that direction is a trace, by its next delivery opportunity
 //!   ([`MuxLink::carry_acks_on`]: a cellular uplink's stalls hold back the downlink's
 //!   acknowledgements, as in the relay).
 //! * A message is *finished* when its last packet is delivered (its `delivered_at` is that
 //!   packet's arrival, possibly later than the decision), when its deadline passes first, or
-//!   when the connection dies: no acknowledgement for `idle_timeout_s` fails every admitted
-//!   message; a non-looped trace that ends fails every message.
+//!   when the connection dies: no acknowledgement for `idle_timeout_s` (10 s, the transport's)
+//!   fails every admitted message, empties the window and stops the link until the caller
+//!   says the next connection is up ([`MuxLink::take_connection_lost`],
+//!   [`MuxLink::pause_until`], [`MuxLink::connection_lost`] for the other direction of the
+//!   same connection); a non-looped trace that ends fails every message.
 //! * A message that misses its deadline stops occupying the link there (as with the FIFO link,
 //!   the capacity after the deadline is given back when its packet was the last on the wire).
 //!
@@ -48,8 +56,9 @@
 //! is admitted; streams have equal priority (versions, deltas and acknowledgements share fairly).
 
 use super::queue::Bbr;
+use super::recovery::Recovery;
 use super::window::SendWindow;
-use super::{Capacity, Link, PacketFate, Transfer, TransferFailure, PACKET_THRESHOLD};
+use super::{Capacity, Link, PacketFate, Transfer, TransferFailure};
 use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
@@ -115,11 +124,16 @@ impl Stream {
     }
 }
 
+/// Bytes of a PING probe on the wire (a short header, the frame, the AEAD tag).
+const PING_BYTES: u64 = 40;
+
 /// The next thing the link does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Decision {
     Expire(u64),
     IdleTimeout,
+    /// The probe timeout fired: up to two packets go regardless of the window.
+    Probe,
     Retransmit,
     SendNew,
     /// Packets leave the sender's window (acknowledged or declared lost).
@@ -141,9 +155,12 @@ pub struct MuxLink {
     deadlines: BTreeSet<(SimTime, u64)>,
     /// Retransmissions due: (ready, message, packet, attempt that was lost).
     retransmit: BinaryHeap<Reverse<(SimTime, u64, u64, u32)>>,
-    /// Lost packets waiting for `PACKET_THRESHOLD` later deliveries.
-    awaiting_threshold: VecDeque<(u64, u64, u64, u32)>,
-    deliveries: u64,
+    /// What the sender knows of its packets' fates ([`super::recovery`]).
+    recovery: Recovery,
+    /// Nothing is sent before this: the connection died and is being re-made.
+    paused_until: SimTime,
+    /// When the idle timeout killed the connection, until the caller takes it.
+    connection_lost: Option<SimTime>,
     /// End of the last serialization.
     free_at: SimTime,
     /// Time of the last decision (or call).
@@ -177,8 +194,9 @@ impl MuxLink {
             round_robin: VecDeque::new(),
             deadlines: BTreeSet::new(),
             retransmit: BinaryHeap::new(),
-            awaiting_threshold: VecDeque::new(),
-            deliveries: 0,
+            recovery: Recovery::default(),
+            paused_until: SimTime::ZERO,
+            connection_lost: None,
             free_at: SimTime::ZERO,
             clock: SimTime::ZERO,
             last_ack: SimTime::ZERO,
@@ -197,6 +215,7 @@ impl MuxLink {
     /// acknowledgements need only the latency and the reverse queue.
     pub fn carry_acks_on(&mut self, reverse: &MuxLink) {
         self.bbr.set_reverse_capacity(reverse.link.capacity.clone());
+        self.recovery.set_ack_path(&reverse.link);
     }
 
     /// The two directions of one access link, each carrying the other's acknowledgements
@@ -288,6 +307,30 @@ impl MuxLink {
         std::mem::take(&mut self.events)
     }
 
+    /// When the idle timeout killed the connection since the last call (its admitted messages
+    /// failed with [`TransferFailure::IdleTimeout`]); the caller then says when the next one
+    /// is up ([`MuxLink::pause_until`]), else the link goes on at once.
+    pub fn take_connection_lost(&mut self) -> Option<SimTime> {
+        self.connection_lost.take()
+    }
+
+    /// Sends nothing before `at` (the connection is being re-made); the idle timer starts
+    /// again then.
+    pub fn pause_until(&mut self, at: SimTime) {
+        self.paused_until = self.paused_until.max(at);
+        self.last_ack = self.last_ack.max(at);
+    }
+
+    /// The connection this direction belongs to died at `now`, found by the other direction:
+    /// every admitted message fails, nothing is in flight, and nothing goes before `back_at`.
+    pub fn connection_lost(&mut self, now: SimTime, back_at: SimTime) {
+        self.run(now, true);
+        self.clock = self.clock.max(now);
+        self.die(now);
+        self.connection_lost = None;
+        self.pause_until(back_at);
+    }
+
     /// A time at or before the next event (`None`: nothing in flight); see the module docs.
     pub fn next_wake(&mut self) -> Option<SimTime> {
         let (base, _) = self.next_decision()?;
@@ -361,6 +404,15 @@ impl MuxLink {
         self.last_ack + self.link.params.idle_timeout + SimDuration(1)
     }
 
+    /// When the probe timeout fires, if sent packets wait for news: the probe timeout after
+    /// the last packet sent, doubled for every probe timeout since the last acknowledgement
+    /// (RFC 9002 §6.2.1).
+    fn probe_at(&self) -> Option<SimTime> {
+        self.recovery.probe_armed().then(|| {
+            self.free_at.max(self.paused_until) + self.link.rtt.pto() * self.recovery.backoff()
+        })
+    }
+
     /// Drops retransmission entries made stale by a later send or a finished message.
     fn prune_retransmit(&mut self) {
         while let Some(&Reverse((_, id, packet, attempt))) = self.retransmit.peek() {
@@ -379,7 +431,7 @@ impl MuxLink {
             return None;
         }
         self.prune_retransmit();
-        let base = self.free_at.max(self.clock);
+        let base = self.free_at.max(self.clock).max(self.paused_until);
         let ready = self.retransmit.peek().map(|r| r.0 .0);
         let mut send = match ready {
             Some(r) if r <= base => Some((base, Decision::Retransmit)),
@@ -387,20 +439,26 @@ impl MuxLink {
             Some(r) => Some((r, Decision::Retransmit)),
             None => None,
         };
-        // A full window: nothing goes until packets leave it.
-        if let Some((t, _)) = send {
-            let cwnd = self.bbr.cwnd(&self.link.capacity, t);
-            let mtu = self.link.params.mtu;
-            let in_flight = self.in_flight.bytes_in_flight();
-            if in_flight > 0 && in_flight.saturating_add(mtu) > cwnd {
-                if let Some(leaves) = self.in_flight.next_departure() {
-                    if leaves > t {
-                        send = Some((leaves, Decision::WindowOpens));
-                    } else {
-                        send = Some((t, Decision::WindowOpens));
-                    }
+        let probe = self.probe_at().map(|p| (p.max(base), Decision::Probe));
+        match send {
+            // A full window: nothing goes until packets leave it, or the probe timeout fires.
+            Some((t, _)) => {
+                let cwnd = self.bbr.cwnd(&self.link.capacity, t);
+                let mtu = self.link.params.mtu;
+                let in_flight = self.in_flight.bytes_in_flight();
+                if in_flight > 0 && in_flight.saturating_add(mtu) > cwnd {
+                    let opens = self
+                        .in_flight
+                        .next_departure()
+                        .map(|leaves| (leaves.max(t), Decision::WindowOpens));
+                    send = match (opens, probe) {
+                        (Some(o), Some(p)) => Some(if p.0 < o.0 { p } else { o }),
+                        (o, p) => o.or(p).or(send),
+                    };
                 }
             }
+            // Nothing to send, lost packets nobody has declared: the tail waits for the probe.
+            None => send = probe,
         }
         let mut next = send;
         let idle = self.idle_fires_at().max(self.clock);
@@ -428,14 +486,27 @@ impl MuxLink {
                 Decision::WindowOpens => {}
                 Decision::Expire(id) => self.finish(id, Some(TransferFailure::DeadlineMissed)),
                 Decision::IdleTimeout => {
-                    let admitted: Vec<u64> = self
-                        .streams
-                        .iter()
-                        .filter(|(_, s)| s.admitted)
-                        .map(|(&id, _)| id)
-                        .collect();
-                    for id in admitted {
-                        self.finish(id, Some(TransferFailure::IdleTimeout));
+                    // The caller decides when the next connection is up before anything goes.
+                    self.die(t);
+                    break;
+                }
+                Decision::Probe => {
+                    // Two probes (quinn's count): the oldest loss again, else new data, else a
+                    // PING.
+                    self.recovery.probe_fired();
+                    for _ in 0..2 {
+                        let at = t.max(self.free_at);
+                        let streams = &self.streams;
+                        let oldest = self.recovery.oldest_loss(|&(id, packet, attempt)| {
+                            streams
+                                .get(&id)
+                                .is_some_and(|s| s.attempts[packet as usize] == attempt)
+                        });
+                        if let Some((id, packet, _)) = oldest {
+                            self.send_packet(at, id, packet, true);
+                        } else if !self.send_new(at) {
+                            self.send_ping(at);
+                        }
                     }
                 }
                 Decision::Retransmit => {
@@ -444,21 +515,53 @@ impl MuxLink {
                     }
                 }
                 Decision::SendNew => {
-                    if let Some(id) = self.round_robin.pop_front() {
-                        let s = self
-                            .streams
-                            .get_mut(&id)
-                            .expect("round-robin holds live ids");
-                        let packet = s.next_new;
-                        s.next_new += 1;
-                        if s.next_new < s.packets {
-                            self.round_robin.push_back(id);
-                        }
-                        self.send_packet(t, id, packet, false);
-                    }
+                    self.send_new(t);
                 }
             }
         }
+    }
+
+    /// Sends the next new packet of the message at the front of the round-robin; whether
+    /// there was one.
+    fn send_new(&mut self, t: SimTime) -> bool {
+        let Some(id) = self.round_robin.pop_front() else {
+            return false;
+        };
+        let s = self
+            .streams
+            .get_mut(&id)
+            .expect("round-robin holds live ids");
+        let packet = s.next_new;
+        s.next_new += 1;
+        if s.next_new < s.packets {
+            self.round_robin.push_back(id);
+        }
+        self.send_packet(t, id, packet, false);
+        true
+    }
+
+    /// The idle timeout: the connection is gone, with every admitted message. The caller
+    /// learns it from [`MuxLink::take_connection_lost`] and says when the next connection is
+    /// up ([`MuxLink::pause_until`]).
+    fn die(&mut self, t: SimTime) {
+        self.reset_connection();
+        self.connection_lost = Some(t);
+        let admitted: Vec<u64> = self
+            .streams
+            .iter()
+            .filter(|(_, s)| s.admitted)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in admitted {
+            self.finish(id, Some(TransferFailure::IdleTimeout));
+        }
+    }
+
+    /// A new connection starts with nothing in flight.
+    fn reset_connection(&mut self) {
+        self.in_flight = SendWindow::default();
+        self.recovery.reset();
+        self.retransmit.clear();
     }
 
     fn send_packet(&mut self, t: SimTime, id: u64, packet: u64, is_retransmission: bool) {
@@ -477,19 +580,18 @@ impl MuxLink {
             .bbr
             .wait(&self.link.capacity, &self.link.cursor, start, end);
         let arrival = arrival.map(|a| a + waited);
-        // Delivered, it leaves the window when its acknowledgement is back (behind the other
-        // direction's queue, at that direction's next opportunity); lost, when loss detection
-        // declares it (`SendWindow`).
+        // Delivered, it leaves the window when an acknowledgement for it is back (sent behind
+        // the other direction's queue, at that direction's next opportunity); lost, when loss
+        // detection declares it ([`Recovery`]).
         let reverse = self.bbr.reverse_delay();
         let latency = self.link.params.latency;
         let ack_sent = self
             .bbr
             .ack_departure(arrival.unwrap_or(end + latency + waited) + reverse);
-        let leaves = ack_sent + latency;
         self.free_at = end;
         self.last_packet = Some((id, end));
         self.serialized += size;
-        let deliveries = self.deliveries;
+        let deliveries = self.recovery.acknowledged();
         let s = self.streams.get_mut(&id).expect("sending a live message");
         s.attempts[packet as usize] += 1;
         let attempt = s.attempts[packet as usize];
@@ -509,45 +611,65 @@ impl MuxLink {
         );
         let s = self.streams.get_mut(&id).expect("sending a live message");
         (s.backoff_exponent[slot], s.deliveries_at_loss[slot]) = (exponent, at_loss);
-        if let Some(pto_at) = lost {
-            self.in_flight
-                .sent_lost(size, (id, packet, attempt), pto_at);
+        if lost.is_some() {
             s.packets_lost += 1;
-            self.retransmit.push(Reverse((pto_at, id, packet, attempt)));
-            self.awaiting_threshold
-                .push_back((deliveries + PACKET_THRESHOLD, id, packet, attempt));
+            self.recovery
+                .lost(&mut self.in_flight, size, (id, packet, attempt), end);
             return;
         }
         let Some(arrival) = arrival else { return };
-        self.in_flight.sent_delivered(size, leaves);
         s.undelivered -= 1;
         s.undelivered_bytes -= size;
         s.last_arrival = s.last_arrival.max(arrival);
         let done = s.undelivered == 0;
-        self.last_ack = self.last_ack.max(leaves);
-        self.deliveries += 1;
-        while let Some(&(needed, lost_id, lost_packet, lost_attempt)) =
-            self.awaiting_threshold.front()
-        {
-            if needed > self.deliveries {
-                break;
-            }
-            self.awaiting_threshold.pop_front();
-            self.in_flight
-                .declared_lost((lost_id, lost_packet, lost_attempt), leaves);
-            if self
-                .streams
-                .get(&lost_id)
-                .is_some_and(|s| s.attempts[lost_packet as usize] == lost_attempt)
-            {
-                self.retransmit
-                    .push(Reverse((leaves, lost_id, lost_packet, lost_attempt)));
-            }
-        }
+        self.on_delivered(size, ack_sent);
         if done {
             let s = &self.streams[&id];
             let late = s.deadline.is_some_and(|d| s.last_arrival > d);
             self.finish(id, late.then_some(TransferFailure::DeadlineMissed));
+        }
+    }
+
+    /// A packet of `size` arrived; the receiver acknowledges it at `ack_sent`. If that
+    /// acknowledgement survives the way back, the packets it acknowledges or declares lost
+    /// leave the window, and the declared ones are sent again.
+    fn on_delivered(&mut self, size: u64, ack_sent: SimTime) {
+        let latency = self.link.params.latency;
+        let smoothed = self.link.rtt.smoothed;
+        let Some((back, declared)) =
+            self.recovery
+                .delivered(&mut self.in_flight, size, ack_sent, latency, smoothed)
+        else {
+            return;
+        };
+        self.last_ack = self.last_ack.max(back);
+        for (at, (id, packet, attempt)) in declared {
+            if self
+                .streams
+                .get(&id)
+                .is_some_and(|s| s.attempts[packet as usize] == attempt)
+            {
+                self.retransmit.push(Reverse((at, id, packet, attempt)));
+            }
+        }
+    }
+
+    /// A probe with nothing to carry: a PING, which only asks for an acknowledgement.
+    fn send_ping(&mut self, t: SimTime) {
+        let PacketFate::Sent { end, arrival } = self.link.put_packet(t, PING_BYTES) else {
+            return;
+        };
+        let start = t.max(self.free_at);
+        let waited = self
+            .bbr
+            .wait(&self.link.capacity, &self.link.cursor, start, end);
+        self.free_at = end;
+        self.serialized += PING_BYTES;
+        if let Some(arrival) = arrival {
+            let ack_sent = self
+                .bbr
+                .ack_departure(arrival + waited + self.bbr.reverse_delay());
+            self.on_delivered(0, ack_sent);
         }
     }
 

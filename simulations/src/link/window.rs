@@ -1,10 +1,11 @@
 //! The bytes a simulated QUIC sender has in flight, and when each packet leaves them.
 //!
 //! A delivered packet leaves the window when its acknowledgement is back. A lost one stays in
-//! it until loss detection declares it lost, as in QUIC (RFC 9002 §6): when enough later
-//! packets are acknowledged (the packet threshold), or at its probe timeout, whichever comes
-//! first. So in a burst of loss the window fills and the sender waits for a probe timeout, as
-//! the real one does (docs/fidelity.md, "Lost packets stay in the window").
+//! it until loss detection declares it lost, as in QUIC (RFC 9002 §6): when a later packet's
+//! acknowledgement comes back (the packet or the time threshold). A probe timeout declares
+//! nothing (§6.2): it lets two probes go past the window. So in a burst of loss or an outage
+//! the window fills and the sender sends only probes, backing off, as the real one does
+//! (docs/fidelity.md, "Probe timeouts declare nothing").
 
 use crate::time::SimTime;
 use std::cmp::Reverse;
@@ -43,15 +44,24 @@ impl SendWindow {
         self.departures.push(Reverse((acked, key)));
     }
 
-    /// A lost packet of `bytes`, declared lost at its probe timeout `pto_at` unless
-    /// [`SendWindow::declared_lost`] says earlier.
-    pub(super) fn sent_lost(&mut self, bytes: u64, packet: LostPacket, pto_at: SimTime) {
-        let key = self.add(bytes, Some(packet));
-        self.lost.insert(packet, key);
-        self.departures.push(Reverse((pto_at, key)));
+    /// A delivered packet of `bytes` whose acknowledgement was lost: it stays until
+    /// [`SendWindow::acknowledged`]; returns its key.
+    pub(super) fn sent_unacknowledged(&mut self, bytes: u64) -> u64 {
+        self.add(bytes, None)
     }
 
-    /// The packet threshold declared `packet` lost at `at`.
+    /// A later acknowledgement, back at `at`, covers the packet `key`.
+    pub(super) fn acknowledged(&mut self, key: u64, at: SimTime) {
+        self.departures.push(Reverse((at, key)));
+    }
+
+    /// A lost packet of `bytes`: it stays until [`SendWindow::declared_lost`].
+    pub(super) fn sent_lost(&mut self, bytes: u64, packet: LostPacket) {
+        let key = self.add(bytes, Some(packet));
+        self.lost.insert(packet, key);
+    }
+
+    /// Loss detection declared `packet` lost at `at`.
     pub(super) fn declared_lost(&mut self, packet: LostPacket, at: SimTime) {
         if let Some(&key) = self.lost.get(&packet) {
             self.departures.push(Reverse((at, key)));
@@ -103,21 +113,24 @@ mod tests {
     }
 
     #[test]
-    fn a_lost_packet_stays_until_its_probe_timeout_or_the_threshold() {
+    fn a_lost_packet_stays_until_it_is_declared_lost() {
         let mut w = SendWindow::default();
-        w.sent_lost(1200, (1, 0, 1), at(300));
-        w.sent_lost(1000, (1, 1, 1), at(300));
-        // The threshold declares the second one lost at 150 ms; the first waits for its PTO.
+        w.sent_lost(1200, (1, 0, 1));
+        w.sent_lost(1000, (1, 1, 1));
         w.declared_lost((1, 1, 1), at(150));
-        w.drain(at(200));
+        w.drain(at(10_000));
+        // Undeclared, the first stays however long it takes.
         assert_eq!(w.bytes_in_flight(), 1200);
-        // Its PTO entry is stale now and releases nothing twice.
-        w.drain(at(300));
+        assert_eq!(w.next_departure(), None);
+        w.declared_lost((1, 0, 1), at(20_000));
+        // A second declaration of the same packet releases nothing twice.
+        w.declared_lost((1, 0, 1), at(20_001));
+        w.drain(at(20_001));
         assert_eq!(w.bytes_in_flight(), 0);
         assert!(w.lost.is_empty() && w.in_flight.is_empty());
         // A declaration after the packet left changes nothing.
-        w.declared_lost((1, 0, 1), at(400));
-        w.drain(at(500));
+        w.declared_lost((1, 0, 1), at(30_000));
+        w.drain(at(30_000));
         assert_eq!(w.bytes_in_flight(), 0);
     }
 }

@@ -21,12 +21,12 @@
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
-use protocol::Message;
+use protocol::{Message, Subscribe};
 use transport::config::{LinkWindows, TransportConfig, EDGE_CONNECTION_WINDOW};
 
 use super::{Cargo, Event, LinkRef, PendingVersion, World};
-use crate::link::{LinkSpec, MuxEvent, MuxLink};
-use crate::time::SimTime;
+use crate::link::{reconnected_at, LinkSpec, MuxEvent, MuxLink};
+use crate::time::{SimDuration, SimTime};
 
 /// A message on one of its hops.
 pub(super) struct InFlight {
@@ -47,6 +47,12 @@ pub(super) fn node_window(up: &LinkSpec, down: &LinkSpec, up_bps: f64, down_bps:
     } else {
         EDGE_CONNECTION_WINDOW
     }
+}
+
+/// How long a real dial waits for an answer: the transport's idle timeout.
+fn dial_timeout() -> SimDuration {
+    let nanos = TransportConfig::default().idle_timeout.as_nanos();
+    SimDuration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
 }
 
 /// Send window of an aggregator's connections (the transport default).
@@ -203,11 +209,62 @@ impl World<'_> {
                 }
             }
         }
+        if let Some(died) = self.link_mut(r).take_connection_lost() {
+            self.reconnect(r, died);
+        }
         if let Some(wake) = self.link_mut(r).next_wake() {
             if self.link_wakes.get(&r).is_none_or(|&s| wake < s) {
                 self.link_wakes.insert(r, wake);
                 self.schedule(wake, Event::LinkWake { link: r, at: wake });
             }
+        }
+    }
+
+    /// `r`'s connection died at `died` (its idle timeout): a node's connection carries both
+    /// directions of its access link, so the other direction loses what it had in flight too,
+    /// and neither sends before the agent has reconnected ([`reconnected_at`]); the node
+    /// flushes its weak-sync backlog then, as a real agent does when its link is up again. An
+    /// aggregator's own access link carries many connections and goes on at once.
+    fn reconnect(&mut self, r: LinkRef, died: SimTime) {
+        let (LinkRef::NodeUp(node) | LinkRef::NodeDown(node)) = r else {
+            return;
+        };
+        let n = &self.nodes[node];
+        let (up, down) = (n.up.link(), n.down.link());
+        let rtt = up.latency() + down.latency();
+        let back = reconnected_at(died, rtt, dial_timeout(), |t| {
+            up.in_outage(t) || down.in_outage(t)
+        });
+        let other = match r {
+            LinkRef::NodeUp(i) => LinkRef::NodeDown(i),
+            _ => LinkRef::NodeUp(node),
+        };
+        self.link_mut(r).pause_until(back);
+        let now = self.now();
+        self.link_mut(other).connection_lost(now, back);
+        self.pump_link(other);
+        let gen = self.nodes[node].gen;
+        self.schedule(back, Event::Reconnected { node, gen });
+    }
+
+    /// The node's new connection is up: it subscribes again, and every aggregator answers
+    /// with the current version of each of its layers (`answer_subscribe`), as in a real run;
+    /// the node flushes its weak-sync backlog.
+    pub(super) fn reconnected(&mut self, node: usize, gen: u64) {
+        let n = &self.nodes[node];
+        if n.gen != gen || !n.subscribed || n.client.is_none() {
+            return;
+        }
+        let wire = n.wire;
+        let now = self.now().as_nanos();
+        for a in 0..self.aggs.len() {
+            let subscribe = Message::Subscribe(Subscribe { node_id: wire });
+            self.aggs[a].state.handle_message(now, wire, subscribe);
+            self.pump_agg(a);
+        }
+        if let Some(c) = self.nodes[node].client.as_mut() {
+            c.on_link_up(now);
+            self.after_node_activity(node);
         }
     }
 

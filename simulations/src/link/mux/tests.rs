@@ -1,4 +1,4 @@
-//! Tests of the multiplexed link: sharing, the window, deadlines, the idle timeout,
+//! Tests of the multiplexed link: sharing, the window, deadlines, probes, the idle timeout,
 //! determinism, and (proptest) that no event comes before its wake-up.
 use super::*;
 use crate::link::{Bandwidth, LinkSpec};
@@ -219,6 +219,90 @@ fn total_loss_ends_every_message_with_the_idle_timeout() {
     let late = l.submit(SimTime::from_secs(60), 30_000, None);
     let (done, _) = drain(&mut l);
     assert!(done[&late].is_delivered());
+}
+
+fn with_outage(mut spec: LinkSpec, start_s: f64, duration_s: f64) -> LinkSpec {
+    spec.outages = vec![crate::link::OutageSpec {
+        start_s,
+        duration_s,
+    }];
+    spec
+}
+
+#[test]
+fn an_outage_gets_a_window_of_packets_then_only_probes_that_back_off() {
+    let mut spec = with_outage(LinkSpec::constant(Bandwidth::from_mbit(10), 20.0), 1.0, 8.0);
+    spec.idle_timeout_s = 30.0;
+    let mut l = mux(&spec, 1, 64 * MB);
+    // 16 s of the link's rate: the sender always has new data.
+    let id = l.submit(SimTime::ZERO, 20 * MB, None);
+    l.advance_through(ms(1_500));
+    let before = l.bytes_serialized();
+    l.advance_through(ms(8_900));
+    let during = l.bytes_serialized() - before;
+    // Two probes per timeout, each timeout twice the last: a dozen packets in 7.4 s.
+    assert!(
+        during > 0 && during <= 16 * 1500,
+        "{during} bytes during the outage"
+    );
+    let (done, _) = drain(&mut l);
+    assert!(done[&id].is_delivered());
+}
+
+#[test]
+fn lost_acknowledgements_stall_the_sender_as_lost_data_does() {
+    let mut forward = LinkSpec::constant(Bandwidth::from_mbit(10), 20.0);
+    forward.idle_timeout_s = 60.0;
+    let bytes_during = |reverse: &LinkSpec| {
+        let mut l = mux(&forward, 1, 64 * MB);
+        l.carry_acks_on(&mux(reverse, 2, 64 * MB));
+        let id = l.submit(SimTime::ZERO, 20 * MB, None);
+        l.advance_through(ms(1_500));
+        let before = l.bytes_serialized();
+        l.advance_through(ms(8_900));
+        let during = l.bytes_serialized() - before;
+        let (done, _) = drain(&mut l);
+        assert!(done[&id].is_delivered());
+        during
+    };
+    let clean = LinkSpec::constant(Bandwidth::from_mbit(10), 20.0);
+    // The data gets through, but no acknowledgement comes back from 1 s to 9 s.
+    let stalled = bytes_during(&with_outage(clean.clone(), 1.0, 8.0));
+    assert!(stalled <= 16 * 1500, "{stalled} bytes while no acknowledgement came back");
+    // With the way back clean the sender fills those 7.4 s.
+    let flowing = bytes_during(&clean);
+    assert!(flowing > 7 * MB, "{flowing} bytes with the acknowledgements flowing");
+}
+
+#[test]
+fn a_dead_connection_sends_nothing_until_the_next_one_is_up() {
+    let mut spec = with_outage(fast_link(), 0.5, 9.5);
+    spec.idle_timeout_s = 2.0;
+    let mut l = mux(&spec, 3, 16 * MB);
+    let first = l.submit(ms(600), 30_000, None);
+    l.advance_through(SimTime::from_secs(5));
+    // Two seconds after the connection was last heard from (the quiet link woke at 600 ms).
+    let died = l.take_connection_lost().expect("the idle timeout fired");
+    assert!(died > ms(2_600) && died < ms(2_601), "{died:?}");
+    assert_eq!(l.take_connection_lost(), None);
+    l.pause_until(SimTime::from_secs(12));
+    let second = l.submit(SimTime::from_secs(6), 30_000, None);
+    let (done, _) = drain(&mut l);
+    assert_eq!(done[&first].failure, Some(TransferFailure::IdleTimeout));
+    let delivered = done[&second]
+        .delivered_at
+        .expect("delivered on the new connection");
+    assert!(delivered > SimTime::from_secs(12), "{delivered:?}");
+
+    // The other direction of the same connection fails what it has and waits too.
+    let mut down = mux(&fast_link(), 4, 16 * MB);
+    let long = down.submit(SimTime::ZERO, 10 * MB, None);
+    down.connection_lost(ms(100), SimTime::from_secs(3));
+    assert_eq!(down.take_connection_lost(), None);
+    let next = down.submit(ms(200), 30_000, None);
+    let (done, _) = drain(&mut down);
+    assert_eq!(done[&long].failure, Some(TransferFailure::IdleTimeout));
+    assert!(done[&next].delivered_at.expect("delivered") > SimTime::from_secs(3));
 }
 
 #[test]
