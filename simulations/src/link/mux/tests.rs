@@ -268,10 +268,16 @@ fn lost_acknowledgements_stall_the_sender_as_lost_data_does() {
     let clean = LinkSpec::constant(Bandwidth::from_mbit(10), 20.0);
     // The data gets through, but no acknowledgement comes back from 1 s to 9 s.
     let stalled = bytes_during(&with_outage(clean.clone(), 1.0, 8.0));
-    assert!(stalled <= 16 * 1500, "{stalled} bytes while no acknowledgement came back");
+    assert!(
+        stalled <= 16 * 1500,
+        "{stalled} bytes while no acknowledgement came back"
+    );
     // With the way back clean the sender fills those 7.4 s.
     let flowing = bytes_during(&clean);
-    assert!(flowing > 7 * MB, "{flowing} bytes with the acknowledgements flowing");
+    assert!(
+        flowing > 7 * MB,
+        "{flowing} bytes with the acknowledgements flowing"
+    );
 }
 
 #[test]
