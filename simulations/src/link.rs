@@ -441,6 +441,12 @@ impl Link {
         PacketFate::Sent { end, arrival }
     }
 
+    /// Feeds the RTT estimator with a packet sent at `t` whose acknowledgement left the
+    /// receiver at `acknowledged` (and is back one latency later).
+    fn rtt_sample(&mut self, t: SimTime, acknowledged: SimTime) {
+        self.rtt.on_sample(acknowledged + self.params.latency - t);
+    }
+
     /// Loss recovery bookkeeping of one packet sent at `t` whose serialization ended at `end`:
     /// a delivered packet (`arrival`) feeds the RTT estimator and returns `None`; a lost one
     /// updates its backoff (only while nothing at all gets through, as QUIC resets its PTO
@@ -456,8 +462,8 @@ impl Link {
         deliveries_at_loss: &mut u64,
     ) -> Option<SimTime> {
         match arrival {
-            Some(arrival) => {
-                self.rtt.on_sample(arrival + self.params.latency - t);
+            Some(acknowledged) => {
+                self.rtt_sample(t, acknowledged);
                 None
             }
             None => {

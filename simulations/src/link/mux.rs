@@ -57,7 +57,7 @@
 
 use super::queue::Bbr;
 use super::recovery::Recovery;
-use super::window::SendWindow;
+use super::window::{LostPacket, SendWindow};
 use super::{Capacity, Link, PacketFate, Transfer, TransferFailure};
 use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
 use std::cmp::Reverse;
@@ -95,8 +95,6 @@ struct Stream {
     /// Bytes of the packets not yet delivered.
     undelivered_bytes: u64,
     attempts: Vec<u32>,
-    backoff_exponent: Vec<u32>,
-    deliveries_at_loss: Vec<u64>,
     last_arrival: SimTime,
     deadline: Option<SimTime>,
     submitted_at: SimTime,
@@ -122,6 +120,20 @@ impl Stream {
     fn new_left(&self) -> u64 {
         self.packets - self.next_new
     }
+}
+
+/// A packet put on the wire ([`MuxLink::put_on_wire`]).
+struct Wired {
+    end: SimTime,
+    arrival: Option<SimTime>,
+    ack_sent: SimTime,
+}
+
+/// Whether `packet` (message, packet, attempt) is still the latest attempt of a live message.
+fn is_current(streams: &BTreeMap<u64, Stream>, (id, packet, attempt): LostPacket) -> bool {
+    streams
+        .get(&id)
+        .is_some_and(|s| s.attempts[packet as usize] == attempt)
 }
 
 /// Bytes of a PING probe on the wire (a short header, the frame, the AEAD tag).
@@ -274,8 +286,6 @@ impl MuxLink {
                 undelivered: packets,
                 undelivered_bytes: bytes,
                 attempts: vec![0; slots],
-                backoff_exponent: vec![0; slots],
-                deliveries_at_loss: vec![0; slots],
                 last_arrival: now,
                 deadline,
                 submitted_at: now,
@@ -416,12 +426,10 @@ impl MuxLink {
     /// Drops retransmission entries made stale by a later send or a finished message.
     fn prune_retransmit(&mut self) {
         while let Some(&Reverse((_, id, packet, attempt))) = self.retransmit.peek() {
-            match self.streams.get(&id) {
-                Some(s) if s.attempts[packet as usize] == attempt => break,
-                _ => {
-                    self.retransmit.pop();
-                }
+            if is_current(&self.streams, (id, packet, attempt)) {
+                break;
             }
+            self.retransmit.pop();
         }
     }
 
@@ -497,11 +505,7 @@ impl MuxLink {
                     for _ in 0..2 {
                         let at = t.max(self.free_at);
                         let streams = &self.streams;
-                        let oldest = self.recovery.oldest_loss(|&(id, packet, attempt)| {
-                            streams
-                                .get(&id)
-                                .is_some_and(|s| s.attempts[packet as usize] == attempt)
-                        });
+                        let oldest = self.recovery.oldest_loss(|&p| is_current(streams, p));
                         if let Some((id, packet, _)) = oldest {
                             self.send_packet(at, id, packet, true);
                         } else if !self.send_new(at) {
@@ -564,16 +568,12 @@ impl MuxLink {
         self.retransmit.clear();
     }
 
-    fn send_packet(&mut self, t: SimTime, id: u64, packet: u64, is_retransmission: bool) {
-        let mtu = self.link.params.mtu;
-        let size = self.streams[&id].packet_size(packet, mtu);
+    /// Puts a packet of `size` on the wire at `t`: returns when its serialization ends, its
+    /// arrival (after the standing queue) unless it is lost, and when the receiver sends its
+    /// acknowledgement; `None` when a non-looped trace has ended.
+    fn put_on_wire(&mut self, t: SimTime, size: u64) -> Option<Wired> {
         let PacketFate::Sent { end, arrival } = self.link.put_packet(t, size) else {
-            self.dead = true;
-            let all: Vec<u64> = self.streams.keys().copied().collect();
-            for id in all {
-                self.finish(id, Some(TransferFailure::TraceExhausted));
-            }
-            return;
+            return None;
         };
         let start = t.max(self.free_at);
         let waited = self
@@ -583,41 +583,50 @@ impl MuxLink {
         // Delivered, it leaves the window when an acknowledgement for it is back (sent behind
         // the other direction's queue, at that direction's next opportunity); lost, when loss
         // detection declares it ([`Recovery`]).
-        let reverse = self.bbr.reverse_delay();
         let latency = self.link.params.latency;
         let ack_sent = self
             .bbr
-            .ack_departure(arrival.unwrap_or(end + latency + waited) + reverse);
+            .ack_departure(arrival.unwrap_or(end + latency + waited) + self.bbr.reverse_delay());
         self.free_at = end;
-        self.last_packet = Some((id, end));
         self.serialized += size;
-        let deliveries = self.recovery.acknowledged();
+        Some(Wired {
+            end,
+            arrival,
+            ack_sent,
+        })
+    }
+
+    fn send_packet(&mut self, t: SimTime, id: u64, packet: u64, is_retransmission: bool) {
+        let mtu = self.link.params.mtu;
+        let size = self.streams[&id].packet_size(packet, mtu);
+        let Some(Wired {
+            end,
+            arrival,
+            ack_sent,
+        }) = self.put_on_wire(t, size)
+        else {
+            self.dead = true;
+            let all: Vec<u64> = self.streams.keys().copied().collect();
+            for id in all {
+                self.finish(id, Some(TransferFailure::TraceExhausted));
+            }
+            return;
+        };
+        self.last_packet = Some((id, end));
         let s = self.streams.get_mut(&id).expect("sending a live message");
         s.attempts[packet as usize] += 1;
         let attempt = s.attempts[packet as usize];
         s.packets_sent += 1;
         s.bytes_on_wire += size;
         s.retransmissions += u64::from(is_retransmission);
-        let slot = packet as usize;
-        let (mut exponent, mut at_loss) = (s.backoff_exponent[slot], s.deliveries_at_loss[slot]);
-        let lost = self.link.on_packet_outcome(
-            t,
-            end,
-            arrival.map(|_| ack_sent),
-            attempt,
-            deliveries,
-            &mut exponent,
-            &mut at_loss,
-        );
-        let s = self.streams.get_mut(&id).expect("sending a live message");
-        (s.backoff_exponent[slot], s.deliveries_at_loss[slot]) = (exponent, at_loss);
-        if lost.is_some() {
+        let Some(arrival) = arrival else {
             s.packets_lost += 1;
             self.recovery
                 .lost(&mut self.in_flight, size, (id, packet, attempt), end);
             return;
-        }
-        let Some(arrival) = arrival else { return };
+        };
+        self.link.rtt_sample(t, ack_sent);
+        let s = self.streams.get_mut(&id).expect("sending a live message");
         s.undelivered -= 1;
         s.undelivered_bytes -= size;
         s.last_arrival = s.last_arrival.max(arrival);
@@ -644,11 +653,7 @@ impl MuxLink {
         };
         self.last_ack = self.last_ack.max(back);
         for (at, (id, packet, attempt)) in declared {
-            if self
-                .streams
-                .get(&id)
-                .is_some_and(|s| s.attempts[packet as usize] == attempt)
-            {
+            if is_current(&self.streams, (id, packet, attempt)) {
                 self.retransmit.push(Reverse((at, id, packet, attempt)));
             }
         }
@@ -656,19 +661,12 @@ impl MuxLink {
 
     /// A probe with nothing to carry: a PING, which only asks for an acknowledgement.
     fn send_ping(&mut self, t: SimTime) {
-        let PacketFate::Sent { end, arrival } = self.link.put_packet(t, PING_BYTES) else {
-            return;
-        };
-        let start = t.max(self.free_at);
-        let waited = self
-            .bbr
-            .wait(&self.link.capacity, &self.link.cursor, start, end);
-        self.free_at = end;
-        self.serialized += PING_BYTES;
-        if let Some(arrival) = arrival {
-            let ack_sent = self
-                .bbr
-                .ack_departure(arrival + waited + self.bbr.reverse_delay());
+        if let Some(Wired {
+            arrival: Some(_),
+            ack_sent,
+            ..
+        }) = self.put_on_wire(t, PING_BYTES)
+        {
             self.on_delivered(0, ack_sent);
         }
     }

@@ -53,11 +53,6 @@ impl Recovery {
         self.ack_path = reverse.ack_path().map(Box::new);
     }
 
-    /// Packets acknowledged so far (for the packet threshold).
-    pub(super) fn acknowledged(&self) -> u64 {
-        self.acknowledged
-    }
-
     /// Whether the probe timeout is armed: sent packets wait for news.
     pub(super) fn probe_armed(&self) -> bool {
         !self.undeclared.is_empty() || !self.unacknowledged.is_empty()
