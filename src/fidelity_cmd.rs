@@ -63,6 +63,12 @@ pub struct FidelityArgs {
     /// report names it (`real_from`).
     #[arg(long)]
     pub real_from: Option<PathBuf>,
+    /// Simulated runs per strategy, with seeds SEED, SEED+1, …: each cell compares their
+    /// typical run (median time to target, mean accuracy and bytes) with the real one, and the
+    /// report prints their spread. The relays draw their own losses, so one seed is one draw of
+    /// the network, as one real run is another.
+    #[arg(long, default_value_t = 1)]
+    pub sim_seeds: usize,
 }
 
 /// One strategy's comparison in `fidelity.json`.
@@ -104,6 +110,9 @@ pub struct StrategyFidelity {
     pub real_problems: Vec<String>,
     /// Real runs this row summarizes (1 unless `--real-runs`).
     pub real_runs: usize,
+    /// With `--sim-seeds K > 1`: the simulated cells of each seed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sim_spread: Option<crate::fidelity_seeds::SimSpread>,
     /// Bytes per relayed access link (`NODE.up`, `NODE.down`) in both engines, for the links
     /// both recorded (empty when either did not: a report from before they were counted).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
@@ -251,25 +260,13 @@ pub fn compare_results(
         real_pace_overruns,
         real_problems,
         real_runs: 1,
+        sim_spread: None,
         links: link_bytes(sim, r),
     }
 }
 
 fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
-}
-
-fn median(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    })
 }
 
 /// One strategy's comparison with several real runs (`runs`: each compared alone, the same
@@ -281,15 +278,12 @@ pub fn aggregate(runs: &[StrategyFidelity]) -> StrategyFidelity {
     if runs.len() == 1 {
         return first.clone();
     }
-    let reached: Vec<f64> = runs
-        .iter()
-        .filter_map(|r| r.real_time_to_target_s)
-        .collect();
-    let real_time_to_target_s = if reached.len() * 2 > runs.len() {
-        median(reached)
-    } else {
-        None
-    };
+    let real_time_to_target_s = crate::fidelity_seeds::typical_time_to_target(
+        &runs
+            .iter()
+            .map(|r| r.real_time_to_target_s)
+            .collect::<Vec<_>>(),
+    );
     let accuracies: Vec<f64> = runs.iter().filter_map(|r| r.real_final_accuracy).collect();
     let real_final_accuracy = mean(&accuracies);
     let bytes: Vec<f64> = runs.iter().map(|r| r.real_bytes as f64).collect();
@@ -331,6 +325,7 @@ pub fn aggregate(runs: &[StrategyFidelity]) -> StrategyFidelity {
             })
             .collect(),
         real_runs: runs.len(),
+        sim_spread: first.sim_spread.clone(),
         links: first
             .links
             .iter()
@@ -412,6 +407,9 @@ pub fn run(args: FidelityArgs) -> Result<()> {
     if args.real_runs == 0 {
         bail!("--real-runs must be at least 1 (got 0)");
     }
+    if args.sim_seeds == 0 {
+        bail!("--sim-seeds must be at least 1 (got 0)");
+    }
     if args.real_from.is_some() && args.real_runs != 1 {
         bail!("--real-from reuses the real runs recorded in its folder: leave out --real-runs");
     }
@@ -429,28 +427,53 @@ pub fn run(args: FidelityArgs) -> Result<()> {
         .unwrap_or_else(|| PathBuf::from("fidelity-out").join(&s.name));
     std::fs::create_dir_all(&out)?;
 
-    // The simulation.
+    // The simulation: `sim/`, and `sim/seed-N/` for each further seed.
     let started = Instant::now();
-    let sim = SimSummary {
-        scenario: s.name.clone(),
-        seed: s.seed,
-        scenario_toml: loaded.text.clone(),
-        target: crate::simulate_cmd::target_text(&loaded.task, s.target),
-        strategies: s
-            .strategies
-            .iter()
-            .map(|strategy| {
-                crate::simulate_cmd::simulate_strategy(s, &loaded.task, strategy, &mut |_| {})
-            })
-            .collect::<Result<_>>()?,
-    };
+    let seeds: Vec<u64> = (0..args.sim_seeds as u64).map(|k| s.seed + k).collect();
+    let mut per_seed: Vec<SimSummary> = Vec::with_capacity(seeds.len());
+    for &seed in &seeds {
+        let mut scenario = s.clone();
+        scenario.seed = seed;
+        per_seed.push(SimSummary {
+            scenario: s.name.clone(),
+            seed,
+            scenario_toml: loaded.text.clone(),
+            target: crate::simulate_cmd::target_text(&loaded.task, s.target),
+            strategies: s
+                .strategies
+                .iter()
+                .map(|strategy| {
+                    crate::simulate_cmd::simulate_strategy(
+                        &scenario,
+                        &loaded.task,
+                        strategy,
+                        &mut |_| {},
+                    )
+                })
+                .collect::<Result<_>>()?,
+        });
+    }
     let sim_wall_seconds = started.elapsed().as_secs_f64();
+    for extra in &per_seed[1..] {
+        let dir = out.join("sim").join(format!("seed-{}", extra.seed));
+        crate::simulate_cmd::write_outputs(&dir, extra)?;
+    }
+    let (combined, spreads): (Vec<StrategyResult>, Vec<_>) = (0..s.strategies.len())
+        .map(|i| {
+            let runs: Vec<StrategyResult> = per_seed
+                .iter()
+                .map(|summary| summary.strategies[i].clone())
+                .collect();
+            crate::fidelity_seeds::combine(&runs, &seeds, access_bytes)
+        })
+        .unzip();
+    let sim = per_seed.swap_remove(0);
     // The real runs: `real/`, or `real/run-K/` for each of several.
     let started = Instant::now();
     let mut reals = Vec::with_capacity(args.real_runs);
     let mut per_run: Vec<Vec<StrategyFidelity>> = Vec::with_capacity(args.real_runs);
     if let Some(from) = &args.real_from {
-        for (real, rows) in crate::fidelity_reuse::recorded_runs(from, &loaded, &sim.strategies)? {
+        for (real, rows) in crate::fidelity_reuse::recorded_runs(from, &loaded, &combined)? {
             per_run.push(rows);
             reals.push(real);
         }
@@ -465,7 +488,7 @@ pub fn run(args: FidelityArgs) -> Result<()> {
         let (real, runs) = scenario_cluster::run_all(&loaded, &dir)?;
         crate::simulate_cmd::write_outputs(&dir, &real)?;
         per_run.push(
-            sim.strategies
+            combined
                 .iter()
                 .zip(&runs)
                 .map(|(a, b)| compare(a, b))
@@ -476,6 +499,13 @@ pub fn run(args: FidelityArgs) -> Result<()> {
     let real_wall_seconds = started.elapsed().as_secs_f64();
     crate::simulate_cmd::write_outputs(&out.join("sim"), &sim)?;
 
+    if seeds.len() > 1 {
+        for run in &mut per_run {
+            for (row, spread) in run.iter_mut().zip(&spreads) {
+                row.sim_spread = Some(spread.clone());
+            }
+        }
+    }
     let strategies = (0..sim.strategies.len())
         .map(|i| aggregate(&per_run.iter().map(|run| run[i].clone()).collect::<Vec<_>>()))
         .collect();
@@ -582,6 +612,7 @@ mod tests {
             real_pace_overruns: 1,
             real_problems: problems.iter().map(|p| p.to_string()).collect(),
             real_runs: 1,
+            sim_spread: None,
             links: BTreeMap::from([(
                 "edge-0.up".to_string(),
                 LinkBytes {

@@ -1,6 +1,7 @@
 //! The `fidelity` report on the terminal: per strategy the simulated and real time to target,
 //! final accuracy, bytes and weak-sync events with their differences, each real run's values
-//! under `--real-runs`, the real run's warnings, and per access link the bytes in both engines.
+//! under `--real-runs`, each simulated seed's under `--sim-seeds`, the real run's warnings, and
+//! per access link the bytes in both engines.
 
 use crate::fidelity_cmd::{FidelityReport, StrategyFidelity};
 
@@ -77,6 +78,36 @@ pub(crate) fn print_report(r: &FidelityReport) {
                     .join(", "),
                 mine.iter()
                     .map(|x| format!("{:.1}", mib(x.real_bytes)))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            );
+        }
+        if let Some(spread) = &s.sim_spread {
+            println!(
+                "  {} simulated seeds ({}): time to target {}; final accuracy {}; MiB {}",
+                spread.seeds.len(),
+                spread
+                    .seeds
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                spread
+                    .time_to_target_s
+                    .iter()
+                    .map(|t| secs(*t))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                spread
+                    .final_accuracy
+                    .iter()
+                    .map(|a| acc(*a))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                spread
+                    .bytes
+                    .iter()
+                    .map(|b| format!("{:.1}", mib(*b)))
                     .collect::<Vec<_>>()
                     .join(", "),
             );

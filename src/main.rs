@@ -13,6 +13,7 @@ mod coordinator_cmd;
 mod fidelity_cmd;
 mod fidelity_print;
 mod fidelity_reuse;
+mod fidelity_seeds;
 mod global_model;
 mod link_check;
 mod nccl_check;
