@@ -20,7 +20,9 @@
 //!   `step_ms` of time). Loss and jitter
 //!   draws are taken for every packet, outage or not, so that an outage does not shift the random
 //!   streams of the packets after it.
-//! * A delivered packet arrives after `latency + U[0, jitter]`; its acknowledgement returns after
+//! * A delivered packet arrives after `latency + U[0, jitter]`, but never before the packet sent
+//!   before it (the relay keeps deliveries in offer order, so under load the delay is close to
+//!   `latency + jitter`); its acknowledgement returns after
 //!   another `latency` (the reverse path is lossless and jitter-free) and feeds an RFC 9002
 //!   smoothed-RTT estimator that persists across transfers on the link.
 //! * A lost packet is declared lost either when three packets sent after it have been acknowledged
@@ -138,6 +140,20 @@ struct LinkParams {
 enum Capacity {
     Constant { bits_per_sec: u64 },
     Trace(Arc<Trace>),
+}
+
+impl Capacity {
+    /// The mean rate, bits per second (a trace's over one period).
+    fn mean_bits_per_sec(&self) -> u64 {
+        match self {
+            Capacity::Constant { bits_per_sec } => *bits_per_sec,
+            Capacity::Trace(trace) => u64::try_from(
+                u128::from(trace.bytes_per_period()) * 8 * u128::from(NANOS_PER_SEC)
+                    / u128::from(trace.period().as_nanos().max(1)),
+            )
+            .unwrap_or(u64::MAX),
+        }
+    }
 }
 
 /// RFC 9002 smoothed RTT estimator.
@@ -277,6 +293,8 @@ pub struct Link {
     jitter_rng: SimRng,
     rtt: RttEstimator,
     busy_until: SimTime,
+    /// Arrival of the last delivered packet (deliveries keep their order).
+    last_arrival: SimTime,
     cursor: TraceCursor,
     stats: LinkStats,
     scratch: TransferScratch,
@@ -315,6 +333,7 @@ impl Link {
             params,
             capacity,
             busy_until: SimTime::ZERO,
+            last_arrival: SimTime::ZERO,
             cursor: TraceCursor::default(),
             stats: LinkStats::default(),
             scratch: TransferScratch::default(),
@@ -370,19 +389,30 @@ impl Link {
         let lossy = self.params.loss > 0.0
             || self.gilbert_elliott.is_some()
             || !self.params.outages.is_empty();
-        lossy.then(|| {
+        let jittery = self.params.jitter.as_nanos() > 0;
+        (lossy || jittery).then(|| {
             let mut path = self.clone();
             path.loss_rng = self.loss_rng.fork("acknowledgements");
+            path.jitter_rng = self.jitter_rng.fork("acknowledgement jitter");
+            path.last_arrival = SimTime::ZERO;
             path.gilbert_elliott = self.spec.gilbert_elliott.map(GilbertElliott::new);
             path.scratch = TransferScratch::default();
             path
         })
     }
 
-    /// Whether an acknowledgement sent at `t` across this link is lost ([`Link::ack_path`]).
-    pub(crate) fn ack_lost_at(&mut self, t: SimTime) -> bool {
-        let random = self.random_loss(t);
-        random || self.in_outage(t)
+    /// When an acknowledgement sent at `t` across this link ([`Link::ack_path`]) arrives: after
+    /// the latency and a jitter draw, in order behind the acknowledgement before it; `None`
+    /// when it is lost.
+    pub(crate) fn ack_arrival(&mut self, t: SimTime) -> Option<SimTime> {
+        let lost = self.random_loss(t) || self.in_outage(t);
+        let jitter = self.jitter_sample();
+        if lost {
+            return None;
+        }
+        let at = (t + self.params.latency + jitter).max(self.last_arrival);
+        self.last_arrival = at;
+        Some(at)
     }
 
     /// One-way propagation delay (without jitter).
@@ -436,8 +466,12 @@ impl Link {
         };
         let randomly_lost = self.random_loss(t);
         let jitter = self.jitter_sample();
-        let arrival =
-            (!randomly_lost && !self.in_outage(end)).then(|| end + self.params.latency + jitter);
+        let arrival = (!randomly_lost && !self.in_outage(end)).then(|| {
+            // In offer order, as the relay delivers (its `jitter_reorders` is off).
+            let at = (end + self.params.latency + jitter).max(self.last_arrival);
+            self.last_arrival = at;
+            at
+        });
         PacketFate::Sent { end, arrival }
     }
 
@@ -821,6 +855,58 @@ mod tests {
             saw_positive_jitter |= d > base;
         }
         assert!(saw_positive_jitter);
+    }
+
+    #[test]
+    fn jittered_packets_arrive_in_the_order_they_were_sent() {
+        // As the relay delivers them: a packet never overtakes the one before it, so back to
+        // back packets each wait out the largest jitter of those ahead (close to `jitter`).
+        let mut spec = fast_link();
+        spec.jitter_ms = 20.0;
+        let mut l = link(&spec, 3);
+        let (mut last, mut delay_ms, mut t) = (SimTime::ZERO, 0.0, SimTime::ZERO);
+        for _ in 0..1000 {
+            let PacketFate::Sent { end, arrival } = l.put_packet(t, 1200) else {
+                panic!("a constant link always sends");
+            };
+            let arrival = arrival.expect("a lossless link delivers");
+            assert!(arrival >= last, "{arrival} before {last}");
+            last = arrival;
+            delay_ms += (arrival - end).as_secs_f64() * 1e3;
+            t = end;
+        }
+        let mean = delay_ms / 1000.0;
+        assert!(
+            mean > 10.0 + 18.0 && mean <= 30.0,
+            "mean one-way delay {mean} ms"
+        );
+    }
+
+    #[test]
+    fn acknowledgements_cross_the_reverse_jitter_in_order_and_lossy_ones_are_lost() {
+        let mut spec = fast_link();
+        spec.jitter_ms = 8.0;
+        let mut path = link(&spec, 4)
+            .ack_path()
+            .expect("a jittery link carries acks");
+        let mut last = SimTime::ZERO;
+        for i in 0..200 {
+            let t = ms(i);
+            let at = path.ack_arrival(t).expect("nothing is lost");
+            assert!(at >= last && at >= t + SimDuration::from_millis(10));
+            assert!(at <= t.max(last) + SimDuration::from_millis(18), "{at}");
+            last = at;
+        }
+        spec.jitter_ms = 0.0;
+        assert!(
+            link(&spec, 4).ack_path().is_none(),
+            "a clean link needs no ack path"
+        );
+        spec.loss = 1.0;
+        let mut path = link(&spec, 4)
+            .ack_path()
+            .expect("a lossy link carries acks");
+        assert_eq!(path.ack_arrival(ms(5)), None);
     }
 
     fn lossy_mean_ms(loss: f64, seeds: u64) -> (f64, f64) {

@@ -193,7 +193,12 @@ pub struct MuxLink {
 impl MuxLink {
     /// Shares `link` between messages, admitting up to `window` bytes at once.
     pub fn new(link: Link, window: u64) -> MuxLink {
-        let bbr = Bbr::new(link.params.latency, link.params.mtu);
+        let bbr = Bbr::new(
+            link.params.latency,
+            link.params.jitter,
+            link.params.mtu,
+            &link.capacity,
+        );
         MuxLink {
             bbr,
             in_flight: SendWindow::default(),

@@ -10,9 +10,10 @@
 //! sent). Neither happens while nothing gets through: then only the probe timeout acts, two
 //! probes per timeout, each timeout in a row twice the last ([`super::MuxLink`]).
 //!
-//! The reverse direction's losses are drawn from a copy of that direction's link with its own
-//! random stream (its i.i.d. loss, Gilbert–Elliott chain and outages): acknowledgements share
-//! the channel's parameters with the reverse data, not its draws.
+//! The reverse direction's losses and jitter are drawn from a copy of that direction's link with
+//! random streams of its own (its i.i.d. loss, Gilbert–Elliott chain, outages, latency and
+//! jitter, acknowledgements kept in order): acknowledgements share the channel's parameters with
+//! the reverse data, not its draws.
 
 use super::window::{LostPacket, SendWindow};
 use super::{Link, PACKET_THRESHOLD, TIMER_GRANULARITY};
@@ -93,7 +94,7 @@ impl Recovery {
     }
 
     /// A packet of `bytes` delivered; the receiver acknowledges it at `ack_sent`, which takes
-    /// `latency` to come back. When that acknowledgement survives, returns when it is back and
+    /// the reverse direction's latency and jitter to come back (`latency` without one). When that acknowledgement survives, returns when it is back and
     /// the earlier lost packets it declares lost, with when; else the packet waits in the
     /// window for a later acknowledgement.
     pub(super) fn delivered(
@@ -104,16 +105,15 @@ impl Recovery {
         latency: SimDuration,
         smoothed_rtt: SimDuration,
     ) -> Option<(SimTime, Vec<(SimTime, LostPacket)>)> {
-        let survives = self
-            .ack_path
-            .as_mut()
-            .is_none_or(|path| !path.ack_lost_at(ack_sent));
-        if !survives {
+        let back = match self.ack_path.as_mut() {
+            Some(path) => path.ack_arrival(ack_sent),
+            None => Some(ack_sent + latency),
+        };
+        let Some(back) = back else {
             let key = window.sent_unacknowledged(bytes);
             self.unacknowledged.push(key);
             return None;
-        }
-        let back = ack_sent + latency;
+        };
         window.sent_delivered(bytes, back);
         self.acknowledged += 1 + self.unacknowledged.len() as u64;
         for key in self.unacknowledged.drain(..) {
