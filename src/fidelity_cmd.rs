@@ -579,6 +579,70 @@ mod tests {
     use super::*;
 
     #[test]
+    fn several_simulated_seeds_are_compared_as_one_typical_run_and_each_is_kept() {
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            args: FidelityArgs,
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (recorded, out) = (dir.path().join("recorded"), dir.path().join("out"));
+        let flags = [
+            "fidelity",
+            "fidelity-smoke",
+            "--strategies",
+            "elastic",
+            "--max-virtual-s",
+            "3",
+            "--sim-seeds",
+            "2",
+        ];
+        let mut args = <Flags as clap::Parser>::parse_from(flags).args;
+        args.real_from = Some(recorded.clone());
+        args.out = Some(out.clone());
+        let loaded = scenario_cluster::load(&args.scenario, &args.overrides).unwrap();
+        let seed = loaded.scenario.seed;
+        crate::fidelity_reuse::tests::write_recorded(
+            &recorded.join("real"),
+            &loaded.text,
+            seed,
+            &["elastic"],
+        );
+        // A clean real run (the helper's records a lost node).
+        std::fs::write(
+            recorded.join("real").join("elastic").join("summary.json"),
+            r#"{"nodes": [], "problems": []}"#,
+        )
+        .unwrap();
+        run(args).unwrap();
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("fidelity.json")).unwrap())
+                .unwrap();
+        let row = &report["strategies"][0];
+        assert_eq!(
+            row["sim_spread"]["seeds"],
+            serde_json::json!([seed, seed + 1])
+        );
+        let bytes: Vec<u64> = row["sim_spread"]["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap())
+            .collect();
+        assert_eq!(bytes.len(), 2);
+        // The row compares the seeds' mean bytes.
+        let mean = (bytes[0] + bytes[1]) as f64 / 2.0;
+        assert!((row["sim_bytes"].as_f64().unwrap() - mean).abs() <= 1.0);
+        // The first seed's outputs are `sim/`, the second's `sim/seed-N/`.
+        assert!(out.join("sim").join("summary.json").exists());
+        assert!(out
+            .join("sim")
+            .join(format!("seed-{}", seed + 1))
+            .join("summary.json")
+            .exists());
+    }
+
+    #[test]
     fn staleness_distance_is_total_variation_with_a_capped_tail() {
         let a = BTreeMap::from([(0, 5), (1, 5)]);
         assert_eq!(staleness_distance(&a, &a), Some(0.0));

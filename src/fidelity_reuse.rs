@@ -96,12 +96,12 @@ fn recorded(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::scenario_cluster::{load, ScenarioOverrides};
     use simulations::report::StrategyResult;
 
-    fn result(strategy: &str) -> StrategyResult {
+    pub(crate) fn result(strategy: &str) -> StrategyResult {
         serde_json::from_value(serde_json::json!({
             "strategy": strategy,
             "time_to_target_s": 12.0,
@@ -122,7 +122,7 @@ mod tests {
     }
 
     /// Writes a recorded real run into `real` (a `real/` or `real/run-K/` folder).
-    fn write_recorded(real: &Path, toml: &str, seed: u64, strategies: &[&str]) {
+    pub(crate) fn write_recorded(real: &Path, toml: &str, seed: u64, strategies: &[&str]) {
         std::fs::create_dir_all(real).unwrap();
         let summary = SimSummary {
             scenario: "fidelity-smoke".into(),
