@@ -21,6 +21,11 @@ fn acc(v: Option<f64>) -> String {
     v.map_or("-".into(), |a| format!("{:.2}%", a * 100.0))
 }
 
+/// `items` through `cell`, comma-separated.
+fn joined<T>(items: &[T], cell: impl Fn(&T) -> String) -> String {
+    items.iter().map(cell).collect::<Vec<_>>().join(", ")
+}
+
 pub(crate) fn print_report(r: &FidelityReport) {
     println!();
     println!(
@@ -68,48 +73,19 @@ pub(crate) fn print_report(r: &FidelityReport) {
             println!(
                 "  {} real runs: time to target {}; final accuracy {}; MiB {}",
                 mine.len(),
-                mine.iter()
-                    .map(|x| secs(x.real_time_to_target_s))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                mine.iter()
-                    .map(|x| acc(x.real_final_accuracy))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                mine.iter()
-                    .map(|x| format!("{:.1}", mib(x.real_bytes)))
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                joined(&mine, |x| secs(x.real_time_to_target_s)),
+                joined(&mine, |x| acc(x.real_final_accuracy)),
+                joined(&mine, |x| format!("{:.1}", mib(x.real_bytes))),
             );
         }
         if let Some(spread) = &s.sim_spread {
             println!(
                 "  {} simulated seeds ({}): time to target {}; final accuracy {}; MiB {}",
                 spread.seeds.len(),
-                spread
-                    .seeds
-                    .iter()
-                    .map(u64::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                spread
-                    .time_to_target_s
-                    .iter()
-                    .map(|t| secs(*t))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                spread
-                    .final_accuracy
-                    .iter()
-                    .map(|a| acc(*a))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                spread
-                    .bytes
-                    .iter()
-                    .map(|b| format!("{:.1}", mib(*b)))
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                joined(&spread.seeds, u64::to_string),
+                joined(&spread.time_to_target_s, |t| secs(*t)),
+                joined(&spread.final_accuracy, |a| acc(*a)),
+                joined(&spread.bytes, |b| format!("{:.1}", mib(*b))),
             );
         }
         if s.real_pace_overruns > 0 {
