@@ -24,6 +24,7 @@ use serde::Serialize;
 use simulations::report::{SimSummary, StrategyResult};
 
 use crate::fidelity_print::{print_report, secs};
+use crate::fidelity_seeds::mean;
 use crate::plots::{line_chart, Series};
 use crate::scenario_cluster::{self, LoadedScenario};
 use crate::train_cmd::write_json;
@@ -265,10 +266,6 @@ pub fn compare_results(
     }
 }
 
-fn mean(v: &[f64]) -> Option<f64> {
-    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
-}
-
 /// One strategy's comparison with several real runs (`runs`: each compared alone, the same
 /// simulated values in each): the real time to target is the median of the runs that reached
 /// it when more than half did (else never), the other real cells are means; the errors are
@@ -460,9 +457,9 @@ pub fn run(args: FidelityArgs) -> Result<()> {
     }
     let (combined, spreads): (Vec<StrategyResult>, Vec<_>) = (0..s.strategies.len())
         .map(|i| {
-            let runs: Vec<StrategyResult> = per_seed
+            let runs: Vec<&StrategyResult> = per_seed
                 .iter()
-                .map(|summary| summary.strategies[i].clone())
+                .map(|summary| &summary.strategies[i])
                 .collect();
             crate::fidelity_seeds::combine(&runs, &seeds, access_bytes)
         })

@@ -26,7 +26,8 @@ pub struct SimSpread {
     pub bytes: Vec<u64>,
 }
 
-fn mean(v: &[f64]) -> Option<f64> {
+/// The mean of `v` (`None` when empty).
+pub fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
@@ -61,7 +62,7 @@ fn mean_u64(values: impl Iterator<Item = u64>) -> u64 {
 }
 
 fn mean_map(
-    runs: &[StrategyResult],
+    runs: &[&StrategyResult],
     get: impl Fn(&StrategyResult) -> &BTreeMap<String, u64>,
 ) -> BTreeMap<String, u64> {
     let keys: std::collections::BTreeSet<&String> =
@@ -77,7 +78,7 @@ fn mean_map(
 /// Combines one strategy's runs (the same strategy, one per seed, the first seed first) into the
 /// typical run; `access_bytes` counts a run's bytes on the access links.
 pub fn combine(
-    runs: &[StrategyResult],
+    runs: &[&StrategyResult],
     seeds: &[u64],
     access_bytes: impl Fn(&StrategyResult) -> u64,
 ) -> (StrategyResult, SimSpread) {
@@ -86,7 +87,7 @@ pub fn combine(
         seeds: seeds.to_vec(),
         time_to_target_s: runs.iter().map(|r| r.time_to_target_s).collect(),
         final_accuracy: runs.iter().map(|r| r.final_accuracy).collect(),
-        bytes: runs.iter().map(&access_bytes).collect(),
+        bytes: runs.iter().map(|r| access_bytes(r)).collect(),
     };
     if runs.len() == 1 {
         return (out, spread);
@@ -147,7 +148,7 @@ mod tests {
             run(Some(10.0), 0.97, 200),
             run(Some(15.0), 0.96, 300),
         ];
-        let (c, spread) = combine(&runs, &[1, 2, 3], edge);
+        let (c, spread) = combine(&runs.iter().collect::<Vec<_>>(), &[1, 2, 3], edge);
         assert_eq!(c.time_to_target_s, Some(15.0));
         assert!((c.final_accuracy.unwrap() - 0.96).abs() < 1e-12);
         assert_eq!(edge(&c), 200);
@@ -170,7 +171,7 @@ mod tests {
     #[test]
     fn one_seed_is_its_own_typical_run() {
         let r = run(None, 0.5, 7);
-        let (c, _) = combine(std::slice::from_ref(&r), &[4], edge);
+        let (c, _) = combine(&[&r], &[4], edge);
         assert_eq!(c.time_to_target_s, None);
         assert_eq!(c.bytes_sent, 7);
     }

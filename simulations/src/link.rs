@@ -143,16 +143,19 @@ enum Capacity {
 }
 
 impl Capacity {
-    /// The mean rate, bits per second (a trace's over one period).
-    fn mean_bits_per_sec(&self) -> u64 {
-        match self {
+    /// How long `bytes` take to serialize at the mean rate (a trace's over one period).
+    fn mean_serialization(&self, bytes: u64) -> SimDuration {
+        let bits_per_sec = match self {
             Capacity::Constant { bits_per_sec } => *bits_per_sec,
             Capacity::Trace(trace) => u64::try_from(
                 u128::from(trace.bytes_per_period()) * 8 * u128::from(NANOS_PER_SEC)
                     / u128::from(trace.period().as_nanos().max(1)),
             )
             .unwrap_or(u64::MAX),
-        }
+        };
+        let nanos =
+            u128::from(bytes) * 8 * u128::from(NANOS_PER_SEC) / u128::from(bits_per_sec.max(1));
+        SimDuration(u64::try_from(nanos).unwrap_or(u64::MAX))
     }
 }
 
@@ -410,9 +413,14 @@ impl Link {
         if lost {
             return None;
         }
-        let at = (t + self.params.latency + jitter).max(self.last_arrival);
-        self.last_arrival = at;
-        Some(at)
+        Some(self.in_order(t + self.params.latency + jitter))
+    }
+
+    /// A delivery due at `at`, but never before the last one: the relay delivers in offer order
+    /// (its `jitter_reorders` is off), so a packet waits out the jitter of those ahead of it.
+    fn in_order(&mut self, at: SimTime) -> SimTime {
+        self.last_arrival = at.max(self.last_arrival);
+        self.last_arrival
     }
 
     /// One-way propagation delay (without jitter).
@@ -466,12 +474,8 @@ impl Link {
         };
         let randomly_lost = self.random_loss(t);
         let jitter = self.jitter_sample();
-        let arrival = (!randomly_lost && !self.in_outage(end)).then(|| {
-            // In offer order, as the relay delivers (its `jitter_reorders` is off).
-            let at = (end + self.params.latency + jitter).max(self.last_arrival);
-            self.last_arrival = at;
-            at
-        });
+        let arrival = (!randomly_lost && !self.in_outage(end))
+            .then(|| self.in_order(end + self.params.latency + jitter));
         PacketFate::Sent { end, arrival }
     }
 

@@ -33,10 +33,10 @@
 //! one and stalls of up to 4 s).
 //!
 //! Approximations: no startup overshoot; the allowance is the delay acknowledgements can
-//! bunch over, where the real one measures how far they ran ahead of `max_bw`; `max_bw` is the link's capacity over
-//! `min_rtt` slots, where the real estimator measures delivery rates over intervals of at
-//! least `min_rtt`, keeps
-//! them for 10 round trips (longer than 10 `min_rtt` when queues build), and lets them fall when
+//! bunch over, where the real one measures how far they ran ahead of `max_bw`; `max_bw` is the
+//! link's capacity over `min_rtt` slots, where the real estimator measures delivery rates over
+//! intervals of at least `min_rtt`, keeps them for 10 round trips (longer than 10 `min_rtt`
+//! when queues build), and lets them fall when
 //! the sender is window-bound behind a long reverse queue; the window is recomputed per
 //! `min_rtt` slot, a packet's queue wait at the end of its serialization.
 
@@ -93,13 +93,7 @@ impl Bbr {
         mtu: u64,
         capacity: &Capacity,
     ) -> Bbr {
-        let serialization = SimDuration(
-            u64::try_from(
-                u128::from(2 * mtu) * 8 * u128::from(NANOS_PER_SEC)
-                    / u128::from(capacity.mean_bits_per_sec().max(1)),
-            )
-            .unwrap_or(u64::MAX),
-        );
+        let serialization = capacity.mean_serialization(2 * mtu);
         let min_rtt = if latency.as_nanos() == 0 {
             SimDuration::ZERO
         } else {

@@ -94,9 +94,10 @@ impl Recovery {
     }
 
     /// A packet of `bytes` delivered; the receiver acknowledges it at `ack_sent`, which takes
-    /// the reverse direction's latency and jitter to come back (`latency` without one). When that acknowledgement survives, returns when it is back and
-    /// the earlier lost packets it declares lost, with when; else the packet waits in the
-    /// window for a later acknowledgement.
+    /// the reverse direction's latency and jitter to come back (`latency` without an ack
+    /// path). When that acknowledgement survives, returns when it is back and the earlier lost
+    /// packets it declares lost, with when; else the packet waits in the window for a later
+    /// acknowledgement.
     pub(super) fn delivered(
         &mut self,
         window: &mut SendWindow,
