@@ -5,7 +5,7 @@
 //! its [`LeaderHook`]; the network lives in [`super::net`] on tokio and talks to it through
 //! channels only.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Instant;
 
@@ -132,6 +132,8 @@ pub struct SyncDriver {
     restart_from_global: bool,
     /// Per layer index: the newest held `(version, values)`.
     held: BTreeMap<usize, (u64, Vec<f32>)>,
+    /// Layers still owed their final cut after training ([`final_flush`]).
+    final_cuts: BTreeSet<u32>,
 }
 
 impl SyncDriver {
@@ -178,6 +180,7 @@ impl SyncDriver {
             divergence: Vec::new(),
             restart_from_global: false,
             held: BTreeMap::new(),
+            final_cuts: BTreeSet::new(),
         }
     }
 
@@ -628,6 +631,8 @@ impl LeaderHook for SyncDriver {
         scales
     }
 }
+
+mod final_flush;
 
 #[cfg(test)]
 #[path = "driver_tests.rs"]

@@ -158,3 +158,86 @@ fn elastic_writes_a_version_in_at_once_and_keeps_the_local_progress() {
     // θ ← θ_global + (θ_now − θ_cut): no cut yet, so all of the 0.1 stays.
     assert!(first_layer(&mut s).iter().all(|&x| (x - 0.6).abs() < 1e-6));
 }
+
+/// An outbox that keeps the layer deltas it is given.
+#[derive(Clone, Default)]
+struct RecordingOutbox(std::sync::Arc<std::sync::Mutex<Vec<protocol::LayerPayload>>>);
+impl Outbox for RecordingOutbox {
+    fn to_aggregator(&self, _to: NodeId, msg: Message) {
+        if let Message::LayerDelta(p) = msg {
+            self.0.lock().unwrap().push(p);
+        }
+    }
+    fn to_coordinator(&self, _msg: Message) {}
+}
+
+impl RecordingOutbox {
+    fn take(&self) -> Vec<protocol::LayerPayload> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+    }
+}
+
+fn ack_all(s: &mut Setup, sent: &[protocol::LayerPayload], version: u64) {
+    for p in sent {
+        let ack = Message::DeltaAck(protocol::DeltaAck {
+            node_id: 1,
+            layer_id: p.layer_id,
+            seq: p.seq,
+            applied: true,
+            new_version: version,
+        });
+        s.events.send(NetEvent::Message(ack)).unwrap();
+    }
+    s.driver.pump(&mut s.replica).unwrap();
+}
+
+#[test]
+fn the_final_flush_cuts_each_layers_last_progress_once_its_previous_delta_is_acknowledged() {
+    use node::training::LeaderHook;
+    let mut s = setup("final-flush");
+    let outbox = RecordingOutbox::default();
+    s.driver.outbox = Box::new(outbox.clone());
+    train(&mut s, 0.1);
+    s.driver.after_step(1, 8, &mut s.replica).unwrap();
+    train(&mut s, 0.1);
+    s.driver.after_step(2, 8, &mut s.replica).unwrap();
+    let at_step_2 = outbox.take();
+    let layers = at_step_2.len();
+    assert!(layers >= 2, "every layer is cut at step 2: {layers}");
+    // Step 3 trains the first layer once more; no layer is due, so without the final flush
+    // that progress would stay on the node.
+    train(&mut s, 0.25);
+    s.driver.after_step(3, 8, &mut s.replica).unwrap();
+    assert!(outbox.take().is_empty());
+
+    s.driver.start_final_flush();
+    s.driver.flush_final(&mut s.replica).unwrap();
+    assert!(
+        outbox.take().is_empty(),
+        "the step-2 deltas are still in flight"
+    );
+    assert!(!s.driver.drained());
+    assert_eq!(s.driver.final_cuts_owed(), layers);
+
+    ack_all(&mut s, &at_step_2, 1);
+    s.driver.flush_final(&mut s.replica).unwrap();
+    let last = outbox.take();
+    // Only the first layer trained since its cut (the others' samples are counted by steps,
+    // so they are cut too, with their unchanged values).
+    let first = last
+        .iter()
+        .find(|p| p.layer_id == s.layer.0)
+        .expect("the first layer's last progress is cut");
+    let delta = first.decode_values().unwrap();
+    assert!(
+        delta.iter().all(|&d| (d - 0.25).abs() < 1e-6),
+        "the delta is the progress since step 2"
+    );
+    assert_eq!(s.driver.final_cuts_owed(), 0);
+    assert!(
+        !s.driver.drained(),
+        "the last deltas wait for their acknowledgement"
+    );
+    ack_all(&mut s, &last, 2);
+    assert!(s.driver.drained());
+}

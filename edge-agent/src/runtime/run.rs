@@ -621,10 +621,16 @@ pub fn run_node_until(
         config.sync.drain_timeout_s
     };
     let drain_until = Instant::now() + Duration::from_secs(drain_s);
-    while driver.undelivered() > 0 && Instant::now() < drain_until && !stop.load(Ordering::Relaxed)
-    {
+    if drain_s > 0 {
+        // Every layer's progress since its last cut goes out too (`final_flush`).
+        driver.start_final_flush();
+    }
+    while !driver.drained() && Instant::now() < drain_until && !stop.load(Ordering::Relaxed) {
         driver
             .pump(final_model.as_mut())
+            .map_err(NodeRunError::Training)?;
+        driver
+            .flush_final(final_model.as_mut())
             .map_err(NodeRunError::Training)?;
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -635,6 +641,14 @@ pub fn run_node_until(
     } else {
         // Done: a later start with this data_dir trains from the beginning again.
         let _ = std::fs::remove_file(&progress_path);
+    }
+    let owed = driver.final_cuts_owed();
+    if owed > 0 && !stopped && drain_s > 0 {
+        warn!(
+            "[WARN] the drain timeout ({drain_s} s) passed before the last progress of {owed} layers \
+             could be cut (a previous delta was still in flight): it stays on this node; raise \
+             [sync] drain_timeout_s to deliver it"
+        );
     }
     let undelivered = driver.undelivered();
     if undelivered > 0 && !stopped {

@@ -289,8 +289,16 @@ impl Member {
             }
             return;
         }
+        if self.drain_until.is_none() {
+            // Every layer's progress since its last cut goes out too (`final_flush`).
+            self.driver.start_final_flush();
+        }
         let until = *self.drain_until.get_or_insert(now + drain);
-        if self.driver.undelivered() == 0 || now >= until {
+        if let Err(e) = self.driver.flush_final(&mut self.replica) {
+            self.fail(e);
+            return;
+        }
+        if self.driver.drained() || now >= until {
             self.done = true;
         }
     }
