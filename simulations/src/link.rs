@@ -57,13 +57,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use thiserror::Error;
 
+mod handshake;
 mod mux;
 mod queue;
 mod reconnect;
 mod recovery;
 mod window;
+pub use handshake::handshake_done;
 pub use mux::{MuxEvent, MuxLink};
-pub use reconnect::reconnected_at;
+pub use reconnect::{connected_at, reconnected_at};
 
 /// Packets acknowledged after a lost one before it is declared lost (RFC 9002 kPacketThreshold).
 pub const PACKET_THRESHOLD: u64 = 3;
@@ -402,6 +404,20 @@ impl Link {
             path.scratch = TransferScratch::default();
             path
         })
+    }
+
+    /// A copy of this link for a node's connection handshakes ([`handshake_done`]): the same
+    /// capacity, delay, loss, Gilbert–Elliott chain and outages, drawn on random streams of its
+    /// own, so that dialling does not shift the draws of the data that follows.
+    pub fn handshake_path(&self) -> Link {
+        let mut path = self.clone();
+        path.loss_rng = self.loss_rng.fork("handshake");
+        path.jitter_rng = self.jitter_rng.fork("handshake jitter");
+        path.last_arrival = SimTime::ZERO;
+        path.gilbert_elliott = self.spec.gilbert_elliott.map(GilbertElliott::new);
+        path.scratch = TransferScratch::default();
+        path.cursor = TraceCursor::default();
+        path
     }
 
     /// When an acknowledgement sent at `t` across this link ([`Link::ack_path`]) arrives: after

@@ -162,6 +162,9 @@ struct SimNode {
     class: LinkClass,
     up: MuxLink,
     down: MuxLink,
+    /// Copies of `up` and `down` its connection handshakes cross ([`Link::handshake_path`]).
+    handshake_up: Link,
+    handshake_down: Link,
     outage_ends: Vec<SimTime>,
     /// Nominal virtual seconds of one training step (forward + backward).
     step_s: f64,
@@ -264,6 +267,11 @@ enum Event {
     },
     LinkUp {
         node: usize,
+    },
+    /// A node's first connection is up: it starts training.
+    Connected {
+        node: usize,
+        gen: u64,
     },
     /// A node's connection, dead since its idle timeout, is up again.
     Reconnected {
@@ -619,6 +627,7 @@ impl<'a> World<'a> {
             let (up, up_bps) = factory.build(&access.up, &format!("{name}.up"))?;
             let (down, down_bps) = factory.build(&access.down, &format!("{name}.down"))?;
             let window = links::node_window(&access.up, &access.down, up_bps, down_bps);
+            let (handshake_up, handshake_down) = (up.handshake_path(), down.handshake_path());
             let (up, down) = MuxLink::pair(MuxLink::new(up, window), MuxLink::new(down, window));
             // Deadline: slack + nominal time to upload one delta of every layer over the
             // slowest hop, download the largest version, and one round trip.
@@ -665,6 +674,8 @@ impl<'a> World<'a> {
                 class,
                 up,
                 down,
+                handshake_up,
+                handshake_down,
                 outage_ends,
                 step_s: times.forward_total() + times.backward_total(),
                 straggler,
@@ -1426,12 +1437,14 @@ impl<'a> World<'a> {
         match (c.action, back) {
             (ChurnAction::Join, _) => {
                 if self.nodes[node].status == Status::Absent {
+                    self.dial(node);
                     self.join(node);
                 }
             }
             (ChurnAction::Crash, false) => self.crash(node),
             (ChurnAction::Crash, true) => {
                 if self.nodes[node].status == Status::Down {
+                    self.dial(node);
                     self.join(node);
                 }
             }
@@ -1519,7 +1532,12 @@ impl<'a> World<'a> {
             n.subscribed = true;
         }
         for node in 0..self.nodes.len() {
-            self.start_step(node);
+            // A real node trains once its aggregator connection is up.
+            if self.nodes[node].status == Status::Training {
+                let up_at = self.dial(node);
+                let gen = self.nodes[node].gen;
+                self.schedule(up_at, Event::Connected { node, gen });
+            }
             for at in self.nodes[node].outage_ends.clone() {
                 self.schedule(at, Event::LinkUp { node });
             }
@@ -1586,6 +1604,11 @@ impl<'a> World<'a> {
                     if let Some(c) = self.nodes[node].client.as_mut() {
                         c.on_link_up(now.as_nanos());
                         self.after_node_activity(node);
+                    }
+                }
+                Event::Connected { node, gen } => {
+                    if self.nodes[node].gen == gen {
+                        self.start_step(node);
                     }
                 }
                 Event::Reconnected { node, gen } => self.reconnected(node, gen),

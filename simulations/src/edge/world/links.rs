@@ -25,7 +25,7 @@ use protocol::{Message, Subscribe};
 use transport::config::{LinkWindows, TransportConfig, EDGE_CONNECTION_WINDOW};
 
 use super::{Cargo, Event, LinkRef, PendingVersion, World};
-use crate::link::{reconnected_at, LinkSpec, MuxEvent, MuxLink};
+use crate::link::{connected_at, handshake_done, reconnected_at, LinkSpec, MuxEvent, MuxLink};
 use crate::time::{SimDuration, SimTime};
 
 /// A message on one of its hops.
@@ -229,11 +229,10 @@ impl World<'_> {
         let (LinkRef::NodeUp(node) | LinkRef::NodeDown(node)) = r else {
             return;
         };
-        let n = &self.nodes[node];
-        let (up, down) = (n.up.link(), n.down.link());
-        let rtt = up.latency() + down.latency();
-        let back = reconnected_at(died, rtt, dial_timeout(), |t| {
-            up.in_outage(t) || down.in_outage(t)
+        let n = &mut self.nodes[node];
+        let (up, down) = (&mut n.handshake_up, &mut n.handshake_down);
+        let back = reconnected_at(died, dial_timeout(), |dial| {
+            handshake_done(dial, up, down, dial_timeout())
         });
         let other = match r {
             LinkRef::NodeUp(i) => LinkRef::NodeDown(i),
@@ -245,6 +244,21 @@ impl World<'_> {
         self.pump_link(other);
         let gen = self.nodes[node].gen;
         self.schedule(back, Event::Reconnected { node, gen });
+    }
+
+    /// Node `node` dials its aggregator now (it starts, or starts again after a crash): its
+    /// access link carries nothing before the connection is up ([`connected_at`], the
+    /// handshake over the link); returns when that is.
+    pub(super) fn dial(&mut self, node: usize) -> SimTime {
+        let now = self.now();
+        let n = &mut self.nodes[node];
+        let (up, down) = (&mut n.handshake_up, &mut n.handshake_down);
+        let up_at = connected_at(now, dial_timeout(), |dial| {
+            handshake_done(dial, up, down, dial_timeout())
+        });
+        self.link_mut(LinkRef::NodeUp(node)).pause_until(up_at);
+        self.link_mut(LinkRef::NodeDown(node)).pause_until(up_at);
+        up_at
     }
 
     /// The node's new connection is up: it subscribes again, and every aggregator answers
