@@ -4,7 +4,7 @@
 //! target the way the simulator does (`step_ms · (1 + jitter · U[0,1))`) and counts the steps
 //! whose real compute was already longer than the target (the run cannot honour the class).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -96,9 +96,36 @@ impl StepPacer {
     }
 }
 
+/// Where the next paced step's budget starts, for a step padded to `paced_end` whose sync work
+/// after the pad (the cut) ended at `now`: at `paced_end`, so that work counts toward the next
+/// step's target (as `PaceSection::step_ms` says) instead of lengthening every step; but never
+/// more than one `target` before `now`, so a node whose cut took longer than a step does not
+/// catch up with a burst of unpadded steps.
+pub fn next_step_start(paced_end: Instant, target: Duration, now: Instant) -> Instant {
+    now.checked_sub(target)
+        .map_or(paced_end, |earliest| paced_end.max(earliest))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cut_after_a_step_counts_toward_the_next_one_up_to_a_whole_step() {
+        let t0 = Instant::now();
+        let target = Duration::from_millis(100);
+        let paced_end = t0 + target;
+        // A 10 ms cut: the next step's budget starts at the paced end, not after the cut.
+        let after_cut = paced_end + Duration::from_millis(10);
+        assert_eq!(next_step_start(paced_end, target, after_cut), paced_end);
+        // A cut longer than a step: the budget starts one step before now (the next step
+        // overruns by its compute, and no burst of unpadded steps follows).
+        let long_cut = paced_end + Duration::from_millis(250);
+        assert_eq!(
+            next_step_start(paced_end, target, long_cut),
+            long_cut - target
+        );
+    }
 
     #[test]
     fn targets_stay_within_the_jitter_band_and_average_its_middle() {

@@ -24,7 +24,7 @@ use transport::{QuicNode, TlsIdentity};
 use super::config::{parse_delta_codec, NodeRunConfig};
 use super::driver::{DriverCounters, SyncDriver};
 use super::net::{start_node_net, NetConfig};
-use super::pacing::StepPacer;
+use super::pacing::{next_step_start, StepPacer};
 use super::topk::TopKSparsifier;
 use crate::config::{spread_phases, ClientConfig, LayerInit, LayerSpec};
 use crate::durable_cache::DurableCache;
@@ -205,12 +205,13 @@ impl LeaderHook for NodeLeader<'_> {
         let mut changed = Vec::new();
         // Pad the step to the paced device's step time (messages are handled meanwhile), then
         // cut: the deltas leave when the modelled device would have finished the step.
+        let mut paced_end = None;
         if let Some(pacer) = self.pacer.as_mut() {
             let target = pacer.next_target();
             let actual = self.last_step_end.elapsed();
             if pacer.record(actual, target) {
                 warn!(
-                    "[WARN] pace: step {step} took {:.1} ms of real compute, more than the paced {:.1} ms; \
+                    "[WARN] pace: step {step} took {:.1} ms of real compute and sync work, more than the paced {:.1} ms; \
                      this machine is slower than the device class it stands in for (the run is flagged)",
                     actual.as_secs_f64() * 1e3,
                     target.as_secs_f64() * 1e3
@@ -218,6 +219,7 @@ impl LeaderHook for NodeLeader<'_> {
             }
             let until = self.last_step_end + target;
             self.pump_while(model, &mut changed, Some(until), &|_| false)?;
+            paced_end = Some((until, target));
         }
         for index in self.driver.after_step(step, samples, model)? {
             if !changed.contains(&index) {
@@ -227,11 +229,18 @@ impl LeaderHook for NodeLeader<'_> {
         if let Some((period, last)) = self.round {
             if step.is_multiple_of(period) && step < last {
                 self.pump_while(model, &mut changed, None, &SyncDriver::round_complete)?;
+                paced_end = None;
             }
         }
-        self.last_step_end = Instant::now();
+        let now = Instant::now();
+        // The cut's work counts toward the next paced step (`pacing::next_step_start`); after
+        // a round's wait the next step starts now.
+        self.last_step_end = match paced_end {
+            Some((until, target)) => next_step_start(until, target, now),
+            None => now,
+        };
         if self.last_progress_write.elapsed() >= PROGRESS_EVERY {
-            self.last_progress_write = self.last_step_end;
+            self.last_progress_write = now;
             write_progress(&self.progress_path, step);
         }
         if self.eval_every > 0 && step.is_multiple_of(self.eval_every) {
