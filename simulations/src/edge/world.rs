@@ -268,7 +268,7 @@ enum Event {
     LinkUp {
         node: usize,
     },
-    /// A node's first connection is up: it starts training.
+    /// A node's first connection is up: it subscribes and starts training.
     Connected {
         node: usize,
         gen: u64,
@@ -1608,6 +1608,9 @@ impl<'a> World<'a> {
                 }
                 Event::Connected { node, gen } => {
                     if self.nodes[node].gen == gen {
+                        // It subscribes as after a reconnect: every aggregator answers with the
+                        // current version of each of its layers (version 0 at the start).
+                        self.reconnected(node, gen);
                         self.start_step(node);
                     }
                 }
