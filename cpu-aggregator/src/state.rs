@@ -771,10 +771,17 @@ impl AggregatorState {
         Some(self.layer_version_message(li))
     }
 
-    /// A node subscribed: queue the current version of every owned layer for it (how a
-    /// newcomer bootstraps from the global model). The shell adds `from` to its subscribers.
+    /// A node subscribed: queue the current version of every owned layer past version 0 for
+    /// it (how a newcomer bootstraps from the global model). The shell adds `from` to its
+    /// subscribers.
     fn answer_subscribe(&mut self, from: NodeId) {
         for li in 0..self.layers.len() {
+            // Version 0 is the initial model every node starts from (a node keeps its own
+            // initial values for a layer the coordinator reports at version 0): sending it
+            // again would only hold up a slow device's downlink (2.3 MB of an MLP's layers).
+            if self.layers[li].version == 0 {
+                continue;
+            }
             match self.layer_version_message(li) {
                 Ok(msg) => self.outputs.push_back(Output::Send { to: from, msg }),
                 Err(e) => {
