@@ -395,24 +395,23 @@ impl Link {
             || self.gilbert_elliott.is_some()
             || !self.params.outages.is_empty();
         let jittery = self.params.jitter.as_nanos() > 0;
-        (lossy || jittery).then(|| {
-            let mut path = self.clone();
-            path.loss_rng = self.loss_rng.fork("acknowledgements");
-            path.jitter_rng = self.jitter_rng.fork("acknowledgement jitter");
-            path.last_arrival = SimTime::ZERO;
-            path.gilbert_elliott = self.spec.gilbert_elliott.map(GilbertElliott::new);
-            path.scratch = TransferScratch::default();
-            path
-        })
+        (lossy || jittery)
+            .then(|| self.copy_drawing_on("acknowledgements", "acknowledgement jitter"))
     }
 
     /// A copy of this link for a node's connection handshakes ([`handshake_done`]): the same
     /// capacity, delay, loss, Gilbert–Elliott chain and outages, drawn on random streams of its
     /// own, so that dialling does not shift the draws of the data that follows.
     pub fn handshake_path(&self) -> Link {
+        self.copy_drawing_on("handshake", "handshake jitter")
+    }
+
+    /// A fresh copy of this link (nothing sent yet) whose loss and jitter draws come from
+    /// streams forked under these labels.
+    fn copy_drawing_on(&self, loss_stream: &str, jitter_stream: &str) -> Link {
         let mut path = self.clone();
-        path.loss_rng = self.loss_rng.fork("handshake");
-        path.jitter_rng = self.jitter_rng.fork("handshake jitter");
+        path.loss_rng = self.loss_rng.fork(loss_stream);
+        path.jitter_rng = self.jitter_rng.fork(jitter_stream);
         path.last_arrival = SimTime::ZERO;
         path.gilbert_elliott = self.spec.gilbert_elliott.map(GilbertElliott::new);
         path.scratch = TransferScratch::default();

@@ -1608,8 +1608,8 @@ impl<'a> World<'a> {
                 }
                 Event::Connected { node, gen } => {
                     if self.nodes[node].gen == gen {
-                        // It subscribes as after a reconnect: every aggregator answers with the
-                        // current version of each of its layers (version 0 at the start).
+                        // It subscribes as after a reconnect: every aggregator answers with
+                        // each of its layers past version 0 (`answer_subscribe`).
                         self.reconnected(node, gen);
                         self.start_step(node);
                     }
