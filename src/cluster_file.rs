@@ -322,11 +322,10 @@ pub fn direction_mbps(spec: &RelayLinkSpec, base_dir: &Path) -> Result<Option<f6
     let Some(trace) = spec.load_trace().context("relay trace")? else {
         return Ok(None);
     };
-    let period_s = trace.period().0 as f64 / 1e9;
-    if period_s <= 0.0 {
+    if trace.period().0 == 0 {
         return Ok(None);
     }
-    Ok(Some(trace.bytes_per_period() as f64 * 8.0 / period_s / 1e6))
+    Ok(Some(trace.mean_bits_per_sec() / 1e6))
 }
 
 /// An edge's `[transport]`: its explicit keys, with `link_mbps`/`rtt_ms` filled in from

@@ -126,9 +126,7 @@ impl LinkShaper {
         let bits_per_sec = match &capacity {
             Capacity::Unlimited => None,
             Capacity::Constant { bits_per_sec } => Some(*bits_per_sec as f64),
-            Capacity::Trace { trace, .. } => {
-                Some(trace.bytes_per_period() as f64 * 8.0 / trace.period().as_secs_f64().max(1e-9))
-            }
+            Capacity::Trace { trace, .. } => Some(trace.mean_bits_per_sec()),
         };
         let queue_limit_bytes = bits_per_sec.map(|bps| {
             spec.queue_bytes

@@ -320,6 +320,11 @@ impl Trace {
         }
     }
 
+    /// The trace's mean rate over one period, bits per second.
+    pub fn mean_bits_per_sec(&self) -> f64 {
+        self.bytes_per_period() as f64 * 8.0 / self.period().as_secs_f64().max(1e-9)
+    }
+
     /// Bytes the trace can deliver in the window `[from, to)` (0 if `to <= from`). For mahimahi
     /// that is 1500 × the opportunities in the window; for mbps the integral of the rate, floored.
     pub fn bytes_deliverable(&self, from: SimTime, to: SimTime) -> u64 {

@@ -149,11 +149,8 @@ impl Capacity {
     fn mean_serialization(&self, bytes: u64) -> SimDuration {
         let bits_per_sec = match self {
             Capacity::Constant { bits_per_sec } => *bits_per_sec,
-            Capacity::Trace(trace) => u64::try_from(
-                u128::from(trace.bytes_per_period()) * 8 * u128::from(NANOS_PER_SEC)
-                    / u128::from(trace.period().as_nanos().max(1)),
-            )
-            .unwrap_or(u64::MAX),
+            // Whole bits per second (saturating).
+            Capacity::Trace(trace) => trace.mean_bits_per_sec() as u64,
         };
         let nanos =
             u128::from(bytes) * 8 * u128::from(NANOS_PER_SEC) / u128::from(bits_per_sec.max(1));

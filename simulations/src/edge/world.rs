@@ -293,7 +293,7 @@ enum Event {
 fn nominal_bits_per_sec(spec: &LinkSpec, trace: Option<&Trace>) -> f64 {
     match (spec.bandwidth, trace) {
         (Some(b), _) => b.bits_per_sec() as f64,
-        (None, Some(t)) => t.bytes_per_period() as f64 * 8.0 / t.period().as_secs_f64().max(1e-9),
+        (None, Some(t)) => t.mean_bits_per_sec(),
         (None, None) => 1.0,
     }
 }

@@ -60,6 +60,19 @@ pub(super) fn aggregator_send_window() -> u64 {
     TransportConfig::default().send_window
 }
 
+impl super::SimNode {
+    /// When a dial at `dial` over this node's access link is up ([`handshake_done`]), `None`
+    /// when it fails.
+    fn handshake(&mut self, dial: SimTime) -> Option<SimTime> {
+        handshake_done(
+            dial,
+            &mut self.handshake_up,
+            &mut self.handshake_down,
+            dial_timeout(),
+        )
+    }
+}
+
 impl World<'_> {
     pub(super) fn link_mut(&mut self, r: LinkRef) -> &mut MuxLink {
         match r {
@@ -230,10 +243,7 @@ impl World<'_> {
             return;
         };
         let n = &mut self.nodes[node];
-        let (up, down) = (&mut n.handshake_up, &mut n.handshake_down);
-        let back = reconnected_at(died, dial_timeout(), |dial| {
-            handshake_done(dial, up, down, dial_timeout())
-        });
+        let back = reconnected_at(died, dial_timeout(), |dial| n.handshake(dial));
         let other = match r {
             LinkRef::NodeUp(i) => LinkRef::NodeDown(i),
             _ => LinkRef::NodeUp(node),
@@ -252,10 +262,7 @@ impl World<'_> {
     pub(super) fn dial(&mut self, node: usize) -> SimTime {
         let now = self.now();
         let n = &mut self.nodes[node];
-        let (up, down) = (&mut n.handshake_up, &mut n.handshake_down);
-        let up_at = connected_at(now, dial_timeout(), |dial| {
-            handshake_done(dial, up, down, dial_timeout())
-        });
+        let up_at = connected_at(now, dial_timeout(), |dial| n.handshake(dial));
         self.link_mut(LinkRef::NodeUp(node)).pause_until(up_at);
         self.link_mut(LinkRef::NodeDown(node)).pause_until(up_at);
         up_at
