@@ -25,6 +25,7 @@ pub mod deadline;
 pub mod durable_cache;
 pub mod early_sync;
 pub mod error;
+pub mod final_cuts;
 pub mod runtime;
 pub mod state;
 
@@ -36,4 +37,5 @@ pub use config::{spread_phases, ClientConfig, LayerInit, LayerSpec, NodeId};
 pub use deadline::{AdaptiveDeadline, DeadlinePolicy};
 pub use durable_cache::{CacheError, DurableCache, OpenReport};
 pub use error::{CacheDecodeError, ClientError};
+pub use final_cuts::FinalCuts;
 pub use state::{ClientCounters, ClientEvent, CutOutcome, InFlightView, Output, SyncClient};

@@ -5,7 +5,7 @@
 //! its [`LeaderHook`]; the network lives in [`super::net`] on tokio and talks to it through
 //! channels only.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Instant;
 
@@ -133,7 +133,7 @@ pub struct SyncDriver {
     /// Per layer index: the newest held `(version, values)`.
     held: BTreeMap<usize, (u64, Vec<f32>)>,
     /// Layers still owed their final cut after training ([`final_flush`]).
-    final_cuts: BTreeSet<u32>,
+    final_cuts: crate::final_cuts::FinalCuts,
 }
 
 impl SyncDriver {
@@ -180,7 +180,7 @@ impl SyncDriver {
             divergence: Vec::new(),
             restart_from_global: false,
             held: BTreeMap::new(),
-            final_cuts: BTreeSet::new(),
+            final_cuts: Default::default(),
         }
     }
 

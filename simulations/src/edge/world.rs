@@ -25,7 +25,7 @@ use cpu_aggregator::{
 use edge_agent::runtime::config::{parse_delta_codec, DeltaCodec};
 use edge_agent::runtime::topk::TopKSparsifier;
 use edge_agent::{
-    spread_phases, CacheEntry, ClientConfig, ClientEvent, CutOutcome, LayerInit, LayerSpec,
+    spread_phases, CacheEntry, ClientConfig, ClientEvent, FinalCuts, LayerInit, LayerSpec,
     Output as ClientOutput, SyncClient,
 };
 use engine::lr::LrSchedule;
@@ -193,7 +193,7 @@ struct SimNode {
     sent_version: Vec<u64>,
     /// fedbuff: the newest global version of each layer received during the local round.
     held_versions: BTreeMap<u32, (u64, Vec<f32>)>,
-    drain: BTreeSet<u32>,
+    drain: FinalCuts,
     training_started_at: Option<SimTime>,
     last_step_at: SimTime,
 }
@@ -701,7 +701,7 @@ impl<'a> World<'a> {
                 version_busy: BTreeSet::new(),
                 sent_version: vec![0; layers.len()],
                 held_versions: BTreeMap::new(),
-                drain: BTreeSet::new(),
+                drain: FinalCuts::default(),
                 training_started_at: None,
                 last_step_at: SimTime::ZERO,
             });
@@ -1205,39 +1205,27 @@ impl<'a> World<'a> {
         self.scratch[layer_id as usize] = buf;
     }
 
-    /// Cuts the remaining progress of a finished node, layer by layer as each becomes free.
-    /// Returns whether it produced output.
+    /// Cuts the remaining progress of a finished node, layer by layer as each becomes free
+    /// ([`FinalCuts`], as the edge agent's final flush). Returns whether it produced output.
     fn try_drain(&mut self, node: usize) -> bool {
         let now = self.now().as_nanos();
-        let due: Vec<u32> = self.nodes[node].drain.iter().copied().collect();
-        let mut progressed = false;
-        for id in due {
-            let index = self.layers[id as usize].model_index;
-            let mut buf = std::mem::take(&mut self.scratch[id as usize]);
-            let n = &mut self.nodes[node];
-            let (Some(replica), Some(client)) = (n.replica.as_mut(), n.client.as_mut()) else {
-                self.scratch[id as usize] = buf;
-                return false;
-            };
-            if client.in_flight(id).is_some_and(|f| !f.from_cache) || client.needs_resync(id) {
-                self.scratch[id as usize] = buf;
-                continue;
+        let layers = &self.layers;
+        let n = &mut self.nodes[node];
+        let (Some(replica), Some(client)) = (n.replica.as_mut(), n.client.as_mut()) else {
+            return false;
+        };
+        let cut = n.drain.cut_free_layers(client, now, n.steps, |id| {
+            let mut values = Vec::new();
+            replica.values_into(layers.get(id as usize)?.model_index, &mut values);
+            Some(values)
+        });
+        match cut {
+            Ok(cut) => !cut.is_empty(),
+            Err(e) => {
+                self.fatal = Some(format!("{}: final cut: {e}", n.name));
+                false
             }
-            replica.values_into(index, &mut buf);
-            match client.cut_layer(now, n.steps, id, &buf) {
-                Ok(CutOutcome::Sent(_) | CutOutcome::Cached(_)) => {
-                    n.drain.remove(&id);
-                    progressed = true;
-                }
-                Ok(CutOutcome::SkippedNoSamples) => {
-                    n.drain.remove(&id);
-                }
-                Ok(CutOutcome::Deferred | CutOutcome::SkippedResync) => {}
-                Err(e) => self.fatal = Some(format!("{}: final cut: {e}", n.name)),
-            }
-            self.scratch[id as usize] = buf;
         }
-        progressed
     }
 
     fn start_step(&mut self, node: usize) {
@@ -1259,7 +1247,7 @@ impl<'a> World<'a> {
     fn finish(&mut self, node: usize) {
         let n = &mut self.nodes[node];
         n.status = Status::Finished;
-        n.drain = self.layers.iter().map(|l| l.id).collect();
+        n.drain = FinalCuts::all(self.layers.iter().map(|l| l.id));
         self.after_node_activity(node);
     }
 
@@ -1356,7 +1344,7 @@ impl<'a> World<'a> {
         n.pending_versions.clear();
         n.version_busy.clear();
         n.timer_at = None;
-        n.drain.clear();
+        n.drain = FinalCuts::default();
         n.left = false;
     }
 

@@ -1,22 +1,17 @@
-//! The end of training: each layer's progress since its last cut is cut once more and
-//! delivered before the node leaves, so the global model holds all of the node's training
-//! (without it, up to a period of every layer's steps — and, for a large layer whose delta
-//! was still in flight, everything since that delta's cut — stayed on the node). A layer
-//! whose previous delta is in flight, or that waits for a re-sync, is cut when that clears;
-//! the cut is dense (a top-k residual goes out whole). The simulator's finished nodes do the
-//! same (`simulations` `World::try_drain`), so a real run and a simulated one end alike.
+//! The driver's end of training: [`FinalCuts`] over the node's model, then the client's
+//! outputs executed, in the drain loop.
 
 use engine::replica::ModelReplica;
 use node::layout::read_sync_unit;
 use tracing::info;
 
 use super::SyncDriver;
-use crate::state::CutOutcome;
+use crate::final_cuts::FinalCuts;
 
 impl SyncDriver {
     /// Starts the final flush: every layer is owed one last cut ([`Self::flush_final`]).
     pub fn start_final_flush(&mut self) {
-        self.final_cuts = self.layers.iter().map(|l| l.layer_id).collect();
+        self.final_cuts = FinalCuts::all(self.layers.iter().map(|l| l.layer_id));
     }
 
     /// Cuts each layer still owed its final cut whose previous delta is no longer in flight
@@ -27,35 +22,20 @@ impl SyncDriver {
             return Ok(());
         }
         let now = self.now();
-        let step = self.counters.step;
-        let owed: Vec<u32> = self.final_cuts.iter().copied().collect();
-        for layer_id in owed {
-            let busy = self
-                .client
-                .in_flight(layer_id)
-                .is_some_and(|f| !f.from_cache);
-            if busy || self.client.needs_resync(layer_id) {
-                continue;
-            }
-            let Some(&li) = self.by_id.get(&layer_id) else {
-                self.final_cuts.remove(&layer_id);
-                continue;
-            };
-            let theta = read_sync_unit(model, &self.layers[li]);
-            match self.client.cut_layer(now, step, layer_id, &theta) {
-                Ok(CutOutcome::Sent(seq) | CutOutcome::Cached(seq)) => {
-                    info!(
-                        "[FLUSH] layer={} seq={seq}: the progress since its last cut",
-                        self.layers[li].name
-                    );
-                    self.final_cuts.remove(&layer_id);
-                }
-                Ok(CutOutcome::SkippedNoSamples) => {
-                    self.final_cuts.remove(&layer_id);
-                }
-                Ok(CutOutcome::Deferred | CutOutcome::SkippedResync) => {}
-                Err(e) => return Err(format!("final cut of layer {layer_id}: {e}")),
-            }
+        let (layers, by_id) = (&self.layers, &self.by_id);
+        let cut = self
+            .final_cuts
+            .cut_free_layers(&mut self.client, now, self.counters.step, |id| {
+                by_id
+                    .get(&id)
+                    .map(|&li| read_sync_unit(&mut *model, &layers[li]))
+            })
+            .map_err(|e| format!("final cut: {e}"))?;
+        for (layer_id, seq) in cut {
+            info!(
+                "[FLUSH] layer={} seq={seq}: the progress since its last cut",
+                self.layer_name(layer_id)
+            );
         }
         let mut changed = Vec::new();
         self.drain_outputs(model, &mut changed)
@@ -63,7 +43,7 @@ impl SyncDriver {
 
     /// Layers still owed their final cut.
     pub fn final_cuts_owed(&self) -> usize {
-        self.final_cuts.len()
+        self.final_cuts.owed()
     }
 
     /// Whether the node has nothing left to deliver: no final cut owed, no delta
