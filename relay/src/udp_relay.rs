@@ -20,6 +20,7 @@ use crate::error::RelayError;
 use crate::shaper::{LinkShaper, Verdict};
 use crate::stats::{DirectionCounters, RelayStats};
 use link_model::SimRng;
+use socket2::SockRef;
 use std::cmp::{Ordering as CmpOrdering, Reverse};
 use std::collections::{BinaryHeap, HashMap};
 use std::io::ErrorKind;
@@ -32,6 +33,7 @@ use tokio::net::UdpSocket;
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{sleep, sleep_until, Instant};
+use transport::udp_buffers::{enlarge, UdpBuffers};
 
 /// Largest UDP payload.
 const MAX_DATAGRAM: usize = 65_535;
@@ -186,6 +188,7 @@ pub async fn spawn_relay(config: RelayConfig) -> Result<RelayHandle, RelayError>
         source,
     };
     let listen = UdpSocket::bind(config.listen).await.map_err(bind_error)?;
+    warn_if_small(enlarge(SockRef::from(&listen)));
     let local_addr = listen.local_addr().map_err(bind_error)?;
     let listen = Arc::new(listen);
     let start = Instant::now();
@@ -289,6 +292,22 @@ async fn listen_loop(
     }
 }
 
+/// Below this receive buffer a relay replaying a fast link loses datagrams in the kernel
+/// whenever it is not scheduled for a millisecond or two ([`transport::udp_buffers`]).
+const SMALL_RECV_BUFFER: usize = 1 << 20;
+
+/// Says once per relay when the kernel refused the large receive buffer.
+fn warn_if_small(buffers: UdpBuffers) {
+    if buffers.recv < SMALL_RECV_BUFFER {
+        tracing::warn!(
+            "[WARN] the relay's UDP receive buffer is {} KiB (net.core.rmem_max caps it): on a fast \
+             link the kernel will drop datagrams the link model would deliver; raise it with \
+             `sysctl -w net.core.rmem_max=8388608`",
+            buffers.recv >> 10
+        );
+    }
+}
+
 /// A socket connected to `upstream`, bound to loopback when the upstream is on loopback.
 async fn open_session(upstream: SocketAddr) -> std::io::Result<Arc<UdpSocket>> {
     let ip = match upstream.ip() {
@@ -297,6 +316,7 @@ async fn open_session(upstream: SocketAddr) -> std::io::Result<Arc<UdpSocket>> {
         IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
     };
     let socket = UdpSocket::bind(SocketAddr::new(ip, 0)).await?;
+    enlarge(SockRef::from(&socket));
     socket.connect(upstream).await?;
     Ok(Arc::new(socket))
 }

@@ -30,6 +30,7 @@ pub mod error;
 pub mod node;
 pub mod revocation;
 pub mod tls;
+pub mod udp_buffers;
 
 #[cfg(test)]
 mod test_support;

@@ -81,6 +81,12 @@ impl QuicNode {
             source,
         };
         let socket = std::net::UdpSocket::bind(addr).map_err(io)?;
+        let buffers = crate::udp_buffers::enlarge(socket2::SockRef::from(&socket));
+        tracing::debug!(
+            "UDP buffers at {addr}: receive {} KiB, send {} KiB",
+            buffers.recv >> 10,
+            buffers.send >> 10
+        );
         let mut endpoint_config = quinn::EndpointConfig::default();
         endpoint_config
             .max_udp_payload_size(config.max_udp_payload)
