@@ -20,7 +20,7 @@ use edge_agent::runtime::pacing::PaceSection;
 use edge_agent::runtime::NodeRunConfig;
 use engine::data::sampler::DataPartition;
 use node::cluster_model::read_toml;
-use relay::{spawn_relay, RelayConfig, RelayHandle};
+use relay::{spawn_relay_with_zero, RelayConfig, RelayHandle};
 use serde::Serialize;
 use tokio::process::{Child, Command};
 use transport::config::TransportSection;
@@ -422,6 +422,7 @@ async fn run_cluster(
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             address_overrides,
             nice: file.cluster.trainer_nice,
+            start_at_unix_ms: None,
         };
 
     // Trainers (and the relays in front of lossy edges).
@@ -473,6 +474,17 @@ async fn run_cluster(
         });
     }
     let mut late_starts: Vec<(f64, String)> = Vec::new();
+    // One common start: every trainer loads its data and model, then waits for this moment
+    // (`[node] start_at_unix_ms`) to join, and its relay's trace starts then too, as the
+    // simulator starts its nodes and their links' traces together at 0. Left to start as they
+    // came up, the processes joined 0.1–0.6 s after their spawn here (more with more of them),
+    // each into a trace that had run on without it. A late starter is spawned the same margin
+    // before its `start_at_s` and waits for that moment.
+    let start_margin = Duration::from_secs_f64((1.0 + 0.1 * specs.len() as f64).min(10.0));
+    let common_start = Instant::now() + start_margin;
+    let common_start_unix_ms = (std::time::SystemTime::now() + start_margin)
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     for spec in specs {
         let name = spec.name.clone();
         let dir = node_dir(&name)?;
@@ -484,20 +496,23 @@ async fn run_cluster(
                 let mut down = r.down.clone();
                 up.resolve_paths(base_dir);
                 down.resolve_paths(base_dir);
-                let handle = spawn_relay(RelayConfig {
+                let config = RelayConfig {
                     listen: SocketAddr::from(([127, 0, 0, 1], 0)),
                     upstream,
                     up,
                     down,
                     seed: r.seed.wrapping_add(j as u64),
-                })
-                .await
-                .with_context(|| format!("relay for {name}"))?;
+                };
+                let zero =
+                    common_start + Duration::from_secs_f64(spec.start_at_s.unwrap_or(0.0).max(0.0));
+                let handle = spawn_relay_with_zero(config, tokio::time::Instant::from_std(zero))
+                    .await
+                    .with_context(|| format!("relay for {name}"))?;
                 overrides.insert(upstream, handle.local_addr());
                 relays.push((spec.link_class.clone(), name.clone(), handle));
             }
         }
-        let cfg = NodeRunConfig {
+        let mut cfg = NodeRunConfig {
             model: model.clone(),
             node: node_section(&name, next_id, dir.join("data"), overrides),
             training: TrainingSection {
@@ -526,6 +541,8 @@ async fn run_cluster(
             sync: spec.sync,
             transport: spec.transport,
         };
+        let start_after_ms = (spec.start_at_s.unwrap_or(0.0).max(0.0) * 1e3) as u64;
+        cfg.node.start_at_unix_ms = Some(common_start_unix_ms + start_after_ms);
         cfg.validate().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
         write_toml(&dir.join("config.toml"), &cfg)?;
         next_id += 1;
@@ -606,10 +623,8 @@ async fn run_cluster(
         }
     }
     let status_probe = StatusProbe::start(status_addr);
-    let trainers_started = Instant::now();
-    let trainers_started_unix_s = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64());
+    let trainers_started = common_start;
+    let trainers_started_unix_s = common_start_unix_ms as f64 / 1e3;
     let layout = model.layout(&task.build_model(model.seed));
     let shard_sources = |aggregators: &[Proc]| -> Vec<ShardSource> {
         aggregators
@@ -638,7 +653,8 @@ async fn run_cluster(
     loop {
         let elapsed = trainers_started.elapsed().as_secs_f64();
         late_starts.retain(|(at, name)| {
-            if elapsed < *at {
+            // Spawned the start margin early: it waits for its moment itself.
+            if elapsed + start_margin.as_secs_f64() < *at {
                 return true;
             }
             if let Some(p) = trainers.iter_mut().find(|p| &p.name == name) {

@@ -1,6 +1,8 @@
 //! The per-layer timeline of a real run, read back from the trainers' logs: every
 //! `[SYNC] layer=L … ms=M` line is an exchange that ended at the line's timestamp and started
-//! `M` ms before; every `[WARN] layer=L deadline missed` line is a weak-synced one (drawn as
+//! `M` ms before, and so is every `[WARN] layer=L seq=S ms=M delta refused by its aggregator`
+//! line (a refused delta's exchange ends as a delivered one's does, as in the simulator); every
+//! `[WARN] layer=L deadline missed` line is a weak-synced one (drawn as
 //! one deadline long). Times are seconds since the trainers were started, as in the
 //! simulator's timeline.
 
@@ -50,9 +52,18 @@ pub fn node_events(log: &str, node: &str, t0_unix_s: f64, deadline_s: f64) -> Ve
             continue;
         };
         let end_s = ts - t0_unix_s;
-        if line.contains("[SYNC] layer=") {
+        // A delivered delta, or one its aggregator refused (the simulator's timeline ends
+        // both exchanges the same way).
+        let key = if line.contains("[SYNC] layer=") {
+            Some("[SYNC] layer=")
+        } else if line.contains("delta refused by its aggregator") {
+            Some("[WARN] layer=")
+        } else {
+            None
+        };
+        if let Some(key) = key {
             let (Some(layer), Some(ms)) = (
-                field(line, "[SYNC] layer="),
+                field(line, key),
                 field(line, " ms=").and_then(|m| m.parse::<f64>().ok()),
             ) else {
                 continue;
@@ -108,16 +119,19 @@ mod tests {
     }
 
     #[test]
-    fn sync_and_missed_deadline_lines_become_events() {
+    fn sync_refused_and_missed_deadline_lines_become_events() {
         let log = "\
 2026-12-02T00:00:10.500000Z  INFO [SYNC] layer=fc3 version=4 bytes=131584 ms=1500.0 seq=7
 2026-12-02T00:00:11.000000Z  WARN [WARN] layer=fc1 deadline missed, cached (1 pending)
 2026-12-02T00:00:12.000000Z  WARN [WARN] layer=fc2 backlog, cached (2 pending)
+2026-12-02T00:00:13.000000Z  WARN [WARN] layer=fc1 seq=9 ms=4000.0 delta refused by its aggregator: TooStale { staleness: 70, max_staleness: 32 }; re-syncing
 garbage line
 ";
         let t0 = parse_utc("2026-12-02T00:00:00.000000Z").unwrap();
         let e = node_events(log, "edge-0", t0, 2.0);
-        assert_eq!(e.len(), 2, "{e:?}");
+        assert_eq!(e.len(), 3, "{e:?}");
+        assert_eq!((e[2].layer.as_str(), e[2].weak), ("fc1", false));
+        assert!((e[2].start_s - 9.0).abs() < 1e-6 && (e[2].end_s - 13.0).abs() < 1e-6);
         assert_eq!((e[0].layer.as_str(), e[0].weak), ("fc3", false));
         assert!((e[0].start_s - 9.0).abs() < 1e-6 && (e[0].end_s - 10.5).abs() < 1e-6);
         assert_eq!((e[1].layer.as_str(), e[1].weak), ("fc1", true));

@@ -35,4 +35,4 @@ pub use link_model::PeriodicOutageSpec;
 pub use shaper::{DropReason, LinkShaper, Verdict};
 pub use spec::{LinkSpec, RelayLinkSpec, RelaySpecError, DEFAULT_QUEUE_MS, SCENARIO_QUEUE_MS};
 pub use stats::{DirectionStats, DropCounts, RelayStats};
-pub use udp_relay::{spawn_relay, RelayHandle};
+pub use udp_relay::{spawn_relay, spawn_relay_with_zero, RelayHandle};

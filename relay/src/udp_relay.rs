@@ -13,7 +13,7 @@
 //!
 //! Both directions of every session share their direction's shaper: the relay models one link
 //! (a shared bottleneck), not one link per client. Time zero of the shapers (outages, traces) is
-//! the moment [`spawn_relay`] was called. Sessions live as long as the relay.
+//! the moment [`spawn_relay`] was called, or the one given to [`spawn_relay_with_zero`]. Sessions live as long as the relay.
 
 use crate::config::RelayConfig;
 use crate::error::RelayError;
@@ -166,8 +166,18 @@ impl Drop for RelayHandle {
 }
 
 /// Starts a relay: binds `config.listen`, loads the traces, and spawns its tasks on the current
-/// tokio runtime.
+/// tokio runtime. Its links' time zero (outages, traces) is now.
 pub async fn spawn_relay(config: RelayConfig) -> Result<RelayHandle, RelayError> {
+    spawn_relay_with_zero(config, Instant::now()).await
+}
+
+/// [`spawn_relay`] whose links' time zero is `zero` (which may be in the future: until then
+/// the links stand at their time 0), e.g. the moment a launcher releases its trainers, so
+/// that a trace starts when the node behind the relay does.
+pub async fn spawn_relay_with_zero(
+    config: RelayConfig,
+    zero: Instant,
+) -> Result<RelayHandle, RelayError> {
     config.validate()?;
     let root = SimRng::new(config.seed);
     let shaper = |direction: &'static str, spec: &crate::RelayLinkSpec| {
@@ -191,7 +201,7 @@ pub async fn spawn_relay(config: RelayConfig) -> Result<RelayHandle, RelayError>
     warn_if_small(enlarge(SockRef::from(&listen)));
     let local_addr = listen.local_addr().map_err(bind_error)?;
     let listen = Arc::new(listen);
-    let start = Instant::now();
+    let start = zero;
 
     let up_counters = Arc::new(DirectionCounters::default());
     let down_counters = Arc::new(DirectionCounters::default());

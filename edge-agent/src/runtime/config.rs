@@ -43,6 +43,12 @@ pub struct NodeSection {
     /// devices with CPUs of their own, and the servers they talk to get the CPU first.
     #[serde(default)]
     pub nice: i32,
+    /// Wall-clock time (Unix milliseconds) before which the node does not join: it loads its
+    /// data and model, then waits for it. `dreamddp cluster` gives every trainer of a run one
+    /// common start, when its relay's trace starts too. A node that gets there later (a
+    /// restart) joins at once. Absent: at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_at_unix_ms: Option<u64>,
 }
 
 fn default_coordinator_name() -> String {

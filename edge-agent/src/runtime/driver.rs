@@ -463,11 +463,20 @@ impl SyncDriver {
                 );
             }
             ClientEvent::Dropped {
-                layer_id, reason, ..
-            } => warn!(
-                "[WARN] layer={} delta refused by its aggregator: {reason:?}; re-syncing",
-                self.layer_name(layer_id)
-            ),
+                layer_id,
+                seq,
+                reason,
+            } => {
+                // The exchange ends here (the fidelity report's real timeline reads `ms`).
+                let ms = self
+                    .sent_at
+                    .remove(&(layer_id, seq))
+                    .map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+                warn!(
+                    "[WARN] layer={} seq={seq} ms={ms:.1} delta refused by its aggregator: {reason:?}; re-syncing",
+                    self.layer_name(layer_id)
+                )
+            }
             // `NotOwner` is the normal answer while a layer is being handed over between
             // aggregators (the delta is retried or cached); anything else is an error.
             ClientEvent::PeerError { error } if error.code == protocol::ErrorCode::NotOwner => {

@@ -267,6 +267,32 @@ impl LeaderHook for NodeLeader<'_> {
 
 /// Opens a node's durable weak-sync cache in `dir` with a page cache of `capacity_mb` MiB
 /// (moving a damaged one aside and saying so) and returns it with the entries it holds.
+/// Waits until `at_unix_ms` (`[node] start_at_unix_ms`) or a stop. A first incarnation that
+/// got there more than 100 ms late says so: its launcher's margin was too short for this
+/// machine, and the node starts behind the others.
+fn wait_for_common_start(at_unix_ms: u64, incarnation: u64, stop: &AtomicBool) {
+    let now_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    };
+    let now = now_ms();
+    if now > at_unix_ms + 100 && incarnation == 1 {
+        warn!(
+            "[WARN] ready {} ms after the cluster's common start ([node] start_at_unix_ms): \
+             this node starts behind the others",
+            now - at_unix_ms
+        );
+    }
+    while !stop.load(Ordering::Relaxed) {
+        let left = at_unix_ms.saturating_sub(now_ms());
+        if left == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(left.min(50)));
+    }
+}
+
 pub(crate) fn open_node_cache(
     dir: &Path,
     capacity_mb: u64,
@@ -497,6 +523,10 @@ pub fn run_node_until(
         backend.device(),
         cached.len()
     );
+
+    if let Some(at) = config.node.start_at_unix_ms {
+        wait_for_common_start(at, incarnation, &stop);
+    }
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
