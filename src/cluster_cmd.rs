@@ -490,6 +490,8 @@ async fn run_cluster(
         let dir = node_dir(&name)?;
         let mut overrides = HashMap::new();
         let relayed = spec.relay.is_some() && !args.clean_links;
+        // This trainer's moment: the common start, or its late start after it.
+        let start_after = Duration::from_secs_f64(spec.start_at_s.unwrap_or(0.0).max(0.0));
         if let (Some(r), false) = (spec.relay, args.clean_links) {
             for (j, &upstream) in agg_addrs.iter().enumerate() {
                 let mut up = r.up.clone();
@@ -503,9 +505,8 @@ async fn run_cluster(
                     down,
                     seed: r.seed.wrapping_add(j as u64),
                 };
-                let zero =
-                    common_start + Duration::from_secs_f64(spec.start_at_s.unwrap_or(0.0).max(0.0));
-                let handle = spawn_relay_with_zero(config, tokio::time::Instant::from_std(zero))
+                let zero = tokio::time::Instant::from_std(common_start + start_after);
+                let handle = spawn_relay_with_zero(config, zero)
                     .await
                     .with_context(|| format!("relay for {name}"))?;
                 overrides.insert(upstream, handle.local_addr());
@@ -541,8 +542,8 @@ async fn run_cluster(
             sync: spec.sync,
             transport: spec.transport,
         };
-        let start_after_ms = (spec.start_at_s.unwrap_or(0.0).max(0.0) * 1e3) as u64;
-        cfg.node.start_at_unix_ms = Some(common_start_unix_ms + start_after_ms);
+        cfg.node.start_at_unix_ms =
+            Some(common_start_unix_ms + u64::try_from(start_after.as_millis()).unwrap_or(u64::MAX));
         cfg.validate().map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
         write_toml(&dir.join("config.toml"), &cfg)?;
         next_id += 1;

@@ -13,7 +13,8 @@
 //!
 //! Both directions of every session share their direction's shaper: the relay models one link
 //! (a shared bottleneck), not one link per client. Time zero of the shapers (outages, traces) is
-//! the moment [`spawn_relay`] was called, or the one given to [`spawn_relay_with_zero`]. Sessions live as long as the relay.
+//! the moment [`spawn_relay`] was called, or the one given to [`spawn_relay_with_zero`].
+//! Sessions live as long as the relay.
 
 use crate::config::RelayConfig;
 use crate::error::RelayError;

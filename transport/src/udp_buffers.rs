@@ -45,5 +45,16 @@ mod tests {
         // The kernel may cap the request (net.core.rmem_max) but never shrinks the buffer.
         assert!(after.recv >= before, "{after:?} < {before}");
         assert!(after.recv > 0 && after.send > 0, "{after:?}");
+        // Where the kernel's cap leaves room above the default, the buffer must have grown
+        // (Linux reports twice the granted size).
+        let cap = std::fs::read_to_string("/proc/sys/net/core/rmem_max")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok());
+        if let Some(cap) = cap.filter(|&c| 2 * c.min(WANTED_BYTES) > before) {
+            assert!(
+                after.recv > before,
+                "cap {cap}: {after:?} not above {before}"
+            );
+        }
     }
 }

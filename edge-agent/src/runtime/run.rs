@@ -265,8 +265,6 @@ impl LeaderHook for NodeLeader<'_> {
     }
 }
 
-/// Opens a node's durable weak-sync cache in `dir` with a page cache of `capacity_mb` MiB
-/// (moving a damaged one aside and saying so) and returns it with the entries it holds.
 /// Waits until `at_unix_ms` (`[node] start_at_unix_ms`) or a stop. A first incarnation that
 /// got there more than 100 ms late says so: its launcher's margin was too short for this
 /// machine, and the node starts behind the others.
@@ -293,6 +291,8 @@ fn wait_for_common_start(at_unix_ms: u64, incarnation: u64, stop: &AtomicBool) {
     }
 }
 
+/// Opens a node's durable weak-sync cache in `dir` with a page cache of `capacity_mb` MiB
+/// (moving a damaged one aside and saying so) and returns it with the entries it holds.
 pub(crate) fn open_node_cache(
     dir: &Path,
     capacity_mb: u64,

@@ -25,11 +25,12 @@
 //! 0.13–0.15 s on `fidelity-fcc`'s 20 ms FCC link and 0.30–0.32 s on its 60 ms one, 0.08–0.09 s
 //! on `fidelity-smoke`'s 10 Mbit/s 15 ms link, 0.30–0.35 s on the Norway 3G trace (60 ms); the
 //! model gives 0.13, 0.30, 0.08 and 0.30 s without loss (the test below). On the ATT LTE
-//! traces (40 ms) the real dials took 1.0–1.5 s and the model's take 0.19 s: the real trainer
-//! dials after its process has started and its relay's trace has run for a while, and the ATT
-//! uplink trace has no delivery opportunity from 0.49 to 1.53 s; the simulated node dials at the
-//! trace's start. A lost datagram costs a probe timeout: 6.5–7.6 s in real runs when one of the
-//! Initial's resends (1, 3, 7 s) was needed.
+//! traces (40 ms) the model's dials take 0.19 s; the real ones took 1.0–1.5 s while a trainer
+//! dialled after its process had started, into a trace that had run on (the ATT uplink has no
+//! delivery opportunity from 0.49 to 1.53 s), and 0.25 s since the trainers and their relays'
+//! traces share one common start (`dreamddp cluster`, 2026-12-07; times from that start). A
+//! lost datagram costs a probe timeout: 6.5–7.6 s in the earlier real runs when one of the
+//! Initial's resends (1, 3, 7 s) was needed, about 1.7 s since.
 //!
 //! Approximations: a datagram is acknowledged by the next flight only (no loss detection by
 //! later acknowledgements within a flight); the server's and client's processing (TLS
