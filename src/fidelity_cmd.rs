@@ -64,10 +64,11 @@ pub struct FidelityArgs {
     /// report names it (`real_from`).
     #[arg(long)]
     pub real_from: Option<PathBuf>,
-    /// Simulated runs per strategy, with seeds SEED, SEED+1, …: each cell compares their
-    /// typical run (median time to target, mean accuracy and bytes) with the real one, and the
-    /// report prints their spread. The relays draw their own losses, so one seed is one draw of
-    /// the network, as one real run is another.
+    /// Simulated runs per strategy, with network seeds SEED, SEED+1, …: each cell compares
+    /// their typical run (median time to target, mean accuracy and bytes) with the real one, and
+    /// the report prints their spread. The relays draw their own losses, so one network seed is
+    /// one draw of the network (links, compute jitter), as one real run is another; the model's
+    /// initial values and the data's order stay SEED's in every run, as in the real ones.
     #[arg(long, default_value_t = 1)]
     pub sim_seeds: usize,
 }
@@ -424,16 +425,17 @@ pub fn run(args: FidelityArgs) -> Result<()> {
         .unwrap_or_else(|| PathBuf::from("fidelity-out").join(&s.name));
     std::fs::create_dir_all(&out)?;
 
-    // The simulation: `sim/`, and `sim/seed-N/` for each further seed.
+    // The simulation: `sim/`, and `sim/network-seed-N/` for each further network seed (the
+    // real trainers all start from SEED's model and data order: only the network varies).
     let started = Instant::now();
     let seeds: Vec<u64> = (0..args.sim_seeds as u64).map(|k| s.seed + k).collect();
     let mut per_seed: Vec<SimSummary> = Vec::with_capacity(seeds.len());
     for &seed in &seeds {
         let mut scenario = s.clone();
-        scenario.seed = seed;
+        scenario.network_seed = Some(seed);
         per_seed.push(SimSummary {
             scenario: s.name.clone(),
-            seed,
+            seed: s.seed,
             scenario_toml: loaded.text.clone(),
             target: crate::simulate_cmd::target_text(&loaded.task, s.target),
             strategies: s
@@ -451,8 +453,8 @@ pub fn run(args: FidelityArgs) -> Result<()> {
         });
     }
     let sim_wall_seconds = started.elapsed().as_secs_f64();
-    for extra in &per_seed[1..] {
-        let dir = out.join("sim").join(format!("seed-{}", extra.seed));
+    for (extra, seed) in per_seed[1..].iter().zip(&seeds[1..]) {
+        let dir = out.join("sim").join(format!("network-seed-{seed}"));
         crate::simulate_cmd::write_outputs(&dir, extra)?;
     }
     let (combined, spreads): (Vec<StrategyResult>, Vec<_>) = (0..s.strategies.len())
@@ -630,11 +632,11 @@ mod tests {
         // The row compares the seeds' mean bytes.
         let mean = (bytes[0] + bytes[1]) as f64 / 2.0;
         assert!((row["sim_bytes"].as_f64().unwrap() - mean).abs() <= 1.0);
-        // The first seed's outputs are `sim/`, the second's `sim/seed-N/`.
+        // The first seed's outputs are `sim/`, the second's `sim/network-seed-N/`.
         assert!(out.join("sim").join("summary.json").exists());
         assert!(out
             .join("sim")
-            .join(format!("seed-{}", seed + 1))
+            .join(format!("network-seed-{}", seed + 1))
             .join("summary.json")
             .exists());
     }

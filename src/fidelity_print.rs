@@ -80,7 +80,7 @@ pub(crate) fn print_report(r: &FidelityReport) {
         }
         if let Some(spread) = &s.sim_spread {
             println!(
-                "  {} simulated seeds ({}): time to target {}; final accuracy {}; MiB {}",
+                "  {} simulated network seeds ({}): time to target {}; final accuracy {}; MiB {}",
                 spread.seeds.len(),
                 joined(&spread.seeds, u64::to_string),
                 joined(&spread.time_to_target_s, |t| secs(*t)),

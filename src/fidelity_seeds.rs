@@ -1,9 +1,11 @@
 //! `fidelity --sim-seeds K`: one strategy's simulated runs over several seeds, combined into the
 //! typical run the cells compare with the real one, and their spread.
 //!
-//! The real relays draw their own losses, jitter and bursts, so a simulated run with one seed is
-//! one draw of the network, as a real run is another: on `default-2core` the simulated `elastic`
-//! reaches 95 % at 10 or 15 s depending on the seed. The combined run takes the median time to
+//! The real relays draw their own losses, jitter and bursts, so a simulated run with one network
+//! seed is one draw of the network, as a real run is another: on `default-2core` the simulated
+//! `elastic` reaches 95 % at 10 or 15 s depending on it. The model's initial values and the
+//! data's order are the scenario seed's in every run (`Scenario::network_seed`), as they are in
+//! every real run. The combined run takes the median time to
 //! target (of the seeds that reached it, when more than half did; else never), the mean final
 //! accuracy, bytes (per link class and per link) and weak-sync events, and the summed staleness
 //! histogram; everything else (series, timeline) is the first seed's.
@@ -16,7 +18,7 @@ use simulations::report::StrategyResult;
 /// The spread of one strategy's simulated cells over the seeds.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct SimSpread {
-    /// The seeds, in order.
+    /// The network seeds, in order (the first is the scenario's seed).
     pub seeds: Vec<u64>,
     /// Time to target per seed (`None`: never).
     pub time_to_target_s: Vec<Option<f64>>,

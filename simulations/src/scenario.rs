@@ -117,6 +117,13 @@ pub struct Scenario {
     /// Folder that relative trace paths are resolved against (set by the loader).
     #[serde(skip)]
     pub base_dir: PathBuf,
+    /// Seed of the network and the devices' timing alone (an edge scenario's link losses,
+    /// jitter and bursts, its compute jitter and stragglers), when it differs from `seed`: the
+    /// model's initial values and the data's order stay `seed`'s. `fidelity --sim-seeds` sets it
+    /// (a real run's relays draw a network of their own, its trainers start from `seed`'s
+    /// model); `None` (every scenario file): `seed`.
+    #[serde(skip)]
+    pub network_seed: Option<u64>,
 }
 
 fn default_model() -> String {

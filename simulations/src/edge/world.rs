@@ -427,7 +427,8 @@ impl<'a> World<'a> {
         lossless: bool,
         strategy: &str,
     ) -> Result<Self, String> {
-        let root = SimRng::new(scenario.seed).fork("edge");
+        // Links and compute timing: the network seed; the model and the data: `seed`.
+        let root = SimRng::new(scenario.network_seed.unwrap_or(scenario.seed)).fork("edge");
         let mut factory = LinkFactory {
             base_dir: scenario.base_dir.clone(),
             traces: BTreeMap::new(),
