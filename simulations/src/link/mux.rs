@@ -329,11 +329,18 @@ impl MuxLink {
         self.connection_lost.take()
     }
 
+    /// The connection is past STARTUP (tests of the steady state).
+    #[cfg(test)]
+    pub(crate) fn end_startup(&mut self) {
+        self.bbr.end_startup();
+    }
+
     /// Sends nothing before `at` (the connection is being re-made); the idle timer starts
-    /// again then.
+    /// again then, and the congestion controller's STARTUP.
     pub fn pause_until(&mut self, at: SimTime) {
         self.paused_until = self.paused_until.max(at);
         self.last_ack = self.last_ack.max(at);
+        self.bbr.restart();
     }
 
     /// The connection this direction belongs to died at `now`, found by the other direction:

@@ -32,13 +32,22 @@
 //! ([`super::MuxLink::carry_acks_on`]; the ATT LTE uplink trace has a mean wait of 140 ms for
 //! one and stalls of up to 4 s).
 //!
-//! Approximations: no startup overshoot; the allowance is the delay acknowledgements can
-//! bunch over, where the real one measures how far they ran ahead of `max_bw`; `max_bw` is the
-//! link's capacity over `min_rtt` slots, where the real estimator measures delivery rates over
-//! intervals of at least `min_rtt`, keeps them for 10 round trips (longer than 10 `min_rtt`
-//! when queues build), and lets them fall when
-//! the sender is window-bound behind a long reverse queue; the window is recomputed per
-//! `min_rtt` slot, a packet's queue wait at the end of its serialization.
+//! A connection begins in STARTUP ([`Startup`]): quinn's 240 kB initial window, which
+//! `transport::bbr` never shrinks until the estimate has stopped growing for three rounds, so
+//! on a 1.3 Mbit/s uplink it stands as a 1.4 s queue for the first ~6 s (`link-check
+//! fidelity-fcc --nodes edge-0` with `RUST_LOG=transport=debug`: STARTUP over after 7 rounds,
+//! 6.1 s; the model's 4 rounds take 5.8 s), and every new connection (`MuxLink::pause_until`)
+//! begins it again.
+//!
+//! Approximations: STARTUP's rounds are counted while the sender has something to send, each
+//! a round trip through the queue its window keeps at the mean rate, and its window only
+//! doubles (the real one grows by what each acknowledgement brings); the allowance is the
+//! delay acknowledgements can bunch over, where the real one measures how far they ran ahead
+//! of `max_bw`; `max_bw` is the link's capacity over `min_rtt` slots, where the real estimator
+//! measures delivery rates over intervals of at least `min_rtt`, keeps them for 10 round trips
+//! (longer than 10 `min_rtt` when queues build), and lets them fall when the sender is
+//! window-bound behind a long reverse queue; the window is recomputed per `min_rtt` slot, a
+//! packet's queue wait at the end of its serialization.
 
 use super::Capacity;
 use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
@@ -55,6 +64,40 @@ const MIN_CWND_PACKETS: u64 = 4;
 /// The most ack aggregation the window allows for, as a time at `max_bw` (`transport::bbr`
 /// caps the draft's `extra_acked` at 100 ms, as Linux does).
 const EXTRA_ACKED_MAX: SimDuration = SimDuration(100_000_000);
+/// A connection's first window (`transport::bbr`: quinn's 200 packets of 1,200 bytes).
+const INITIAL_WINDOW: u64 = 200 * 1200;
+/// STARTUP's window gain, thousandths (2/ln 2).
+const STARTUP_GAIN_MILLI: u64 = 2885;
+/// STARTUP ends after this many rounds in which the estimate did not grow.
+const STARTUP_PLATEAU_ROUNDS: u32 = 3;
+
+/// A connection's STARTUP (`transport::bbr`): the window starts at [`INITIAL_WINDOW`], doubles
+/// each round while it is below what the path holds, never shrinks, and STARTUP ends
+/// [`STARTUP_PLATEAU_ROUNDS`] rounds after the window first held the path (the estimate
+/// stops growing then). A round is a round trip through the queue that window keeps.
+#[derive(Clone, Copy, Debug)]
+struct Startup {
+    /// The window, bytes.
+    window: u64,
+    /// Rounds since the window first held the path, after the first estimate.
+    plateau: u32,
+    /// Whether a round has ended (the estimate exists).
+    first_estimate: bool,
+    /// When the current round ends (`None`: none begun; a round begins when the sender next
+    /// has something to send).
+    round_ends: Option<SimTime>,
+}
+
+impl Startup {
+    fn begin() -> Startup {
+        Startup {
+            window: INITIAL_WINDOW,
+            plateau: 0,
+            first_estimate: false,
+            round_ends: None,
+        }
+    }
+}
 
 /// One direction's BBR window and standing queue.
 #[derive(Clone, Debug)]
@@ -70,8 +113,11 @@ pub(super) struct Bbr {
     busy_since: SimTime,
     /// End of the last packet's serialization.
     last_end: SimTime,
-    /// The window for one `min_rtt` slot: (slot, window).
-    cached_window: Option<(u64, u64)>,
+    /// The steady-state window for one `min_rtt` slot: (slot, window, the most the link
+    /// delivered in one `min_rtt` over the filter's slots).
+    cached_window: Option<(u64, u64, u64)>,
+    /// The connection's STARTUP, until it ends.
+    startup: Option<Startup>,
     /// The standing queue the last packet was delayed by (before the busy-period cap).
     last_full_wait: SimDuration,
     /// Summed delay added to packets, and the packets.
@@ -108,10 +154,22 @@ impl Bbr {
             busy_since: SimTime::ZERO,
             last_end: SimTime::ZERO,
             cached_window: None,
+            startup: Some(Startup::begin()),
             last_full_wait: SimDuration::ZERO,
             total_wait: SimDuration::ZERO,
             packets: 0,
         }
+    }
+
+    /// Ends STARTUP now (tests of the steady state).
+    #[cfg(test)]
+    pub(super) fn end_startup(&mut self) {
+        self.startup = None;
+    }
+
+    /// A new connection is up: its controller begins in STARTUP again.
+    pub(super) fn restart(&mut self) {
+        self.startup = Some(Startup::begin());
     }
 
     pub(super) fn set_reverse_delay(&mut self, delay: SimDuration) {
@@ -185,14 +243,52 @@ impl Bbr {
         wait
     }
 
-    /// The window for the `min_rtt` slot holding `t`: `CWND_GAIN` times the most the link
-    /// delivered in one `min_rtt` over the last `BANDWIDTH_FILTER_ROUNDS` slots.
+    /// The window at `t`: STARTUP's while the connection is in it, else the steady one.
     fn window(&mut self, capacity: &Capacity, t: SimTime) -> u64 {
+        let (steady, path_bytes) = self.steady_window(capacity, t);
+        let Some(mut s) = self.startup else {
+            return steady;
+        };
+        let round_trip = |window: u64| {
+            self.min_rtt
+                + self.reverse_delay
+                + capacity.mean_serialization(window.saturating_sub(path_bytes))
+        };
+        match s.round_ends {
+            // The first round begins: the first estimate comes at its end.
+            None => s.round_ends = Some(t + round_trip(s.window)),
+            Some(end) if t >= end => {
+                // A round ended: the window doubles while the path holds more than it, up to
+                // STARTUP's target (it never shrinks); once it holds the path the estimate
+                // stops growing, and STARTUP ends after the plateau's rounds.
+                if s.window >= path_bytes && s.first_estimate {
+                    s.plateau += 1;
+                } else if s.window < path_bytes {
+                    let target = path_bytes.saturating_mul(STARTUP_GAIN_MILLI) / 1000;
+                    s.window = s.window.max(s.window.saturating_mul(2).min(target));
+                }
+                s.first_estimate = true;
+                if s.plateau >= STARTUP_PLATEAU_ROUNDS {
+                    self.startup = None;
+                    return steady;
+                }
+                s.round_ends = Some(t + round_trip(s.window));
+            }
+            Some(_) => {}
+        }
+        self.startup = Some(s);
+        s.window
+    }
+
+    /// The steady window for the `min_rtt` slot holding `t`: `CWND_GAIN` times the most the
+    /// link delivered in one `min_rtt` over the last `BANDWIDTH_FILTER_ROUNDS` slots (plus the
+    /// jitter's allowance), and that most.
+    fn steady_window(&mut self, capacity: &Capacity, t: SimTime) -> (u64, u64) {
         let m = self.min_rtt.as_nanos();
         let slot = t.as_nanos() / m;
-        if let Some((s, cwnd)) = self.cached_window {
+        if let Some((s, cwnd, max_bytes)) = self.cached_window {
             if s == slot {
-                return cwnd;
+                return (cwnd, max_bytes);
             }
         }
         let max_bytes = match capacity {
@@ -223,8 +319,8 @@ impl Bbr {
             .saturating_mul(max_bytes)
             .saturating_add(extra)
             .max(MIN_CWND_PACKETS * self.mtu);
-        self.cached_window = Some((slot, cwnd));
-        cwnd
+        self.cached_window = Some((slot, cwnd, max_bytes));
+        (cwnd, max_bytes)
     }
 
     /// The queue a packet whose serialization ends at `t` waits behind: what the window
@@ -266,6 +362,66 @@ fn bytes_in(bits_per_sec: u64, d: SimDuration) -> u64 {
 mod tests {
     use super::*;
 
+    /// Asks for the window every millisecond until STARTUP is over; returns when it ended.
+    fn past_startup(bbr: &mut Bbr, capacity: &Capacity) -> SimTime {
+        let mut t = SimTime::ZERO;
+        while bbr.startup.is_some() {
+            bbr.cwnd(capacity, t);
+            t = t + SimDuration::from_millis(1);
+            assert!(t < SimTime::from_secs(60), "STARTUP never ended");
+        }
+        t
+    }
+
+    #[test]
+    fn a_connection_starts_with_quinns_window_and_keeps_it_through_startup() {
+        // `fidelity-fcc`'s uplink rate, 1.3 Mbit/s, 20 ms: the path holds 9 kB, the initial
+        // window is a 1.45 s queue, so each STARTUP round lasts about that long.
+        let capacity = Capacity::Constant {
+            bits_per_sec: 1_320_000,
+        };
+        let mut bbr = Bbr::new(
+            SimDuration::from_millis(20),
+            SimDuration::from_millis(5),
+            1200,
+            &capacity,
+        );
+        assert_eq!(bbr.cwnd(&capacity, SimTime::ZERO), INITIAL_WINDOW);
+        let ended = past_startup(&mut bbr, &capacity);
+        // Three rounds on a plateau after the first: 4 × (1.4 s of queue + 0.06 s).
+        assert!(
+            (5.0..7.0).contains(&ended.as_secs_f64()),
+            "STARTUP ended at {ended:?}"
+        );
+        let steady = bbr.cwnd(&capacity, ended);
+        assert!(steady < 30_000, "{steady}");
+        // A new connection starts over.
+        bbr.restart();
+        assert_eq!(
+            bbr.cwnd(&capacity, ended + SimDuration::from_secs(1)),
+            INITIAL_WINDOW
+        );
+    }
+
+    #[test]
+    fn startup_doubles_the_window_up_to_a_fast_paths_size() {
+        // 1 Gbit/s, 5 ms: the path holds about 1.4 MB, six times the initial window.
+        let capacity = Capacity::Constant {
+            bits_per_sec: 1_000_000_000,
+        };
+        let mut bbr = Bbr::new(
+            SimDuration::from_millis(5),
+            SimDuration::ZERO,
+            1200,
+            &capacity,
+        );
+        let first = bbr.cwnd(&capacity, SimTime::ZERO);
+        let second = bbr.cwnd(&capacity, SimTime::from_millis(12));
+        assert_eq!((first, second), (INITIAL_WINDOW, 2 * INITIAL_WINDOW));
+        let ended = past_startup(&mut bbr, &capacity);
+        assert!(ended < SimTime::from_millis(200), "{ended:?}");
+    }
+
     #[test]
     fn the_window_is_twice_the_measured_bdp_plus_the_jitters_allowance() {
         // 10 Mbit/s, 15 ms, jitter 5 ms: quinn measured min_rtt 36.8–38.0 ms on this link.
@@ -283,7 +439,8 @@ mod tests {
         let bdp = bytes_in(10_000_000, bbr.min_rtt);
         // The allowance: the jitter (5 ms) plus the reverse queue (none yet).
         let allowance = bytes_in(10_000_000, SimDuration::from_millis(5));
-        let cwnd = bbr.cwnd(&capacity, SimTime::from_secs(1));
+        let after = past_startup(&mut bbr, &capacity);
+        let cwnd = bbr.cwnd(&capacity, after + SimDuration::from_secs(1));
         assert!(
             cwnd.abs_diff(2 * bdp + allowance) <= 1,
             "{cwnd} vs {}",
@@ -293,7 +450,7 @@ mod tests {
         // 1.25–1.40 MB/s: the model's 98 KB is short of the real window by what the reverse
         // queue's variation adds.)
         bbr.set_reverse_delay(SimDuration::from_millis(25));
-        assert_eq!(bbr.cwnd(&capacity, SimTime::from_secs(2)), cwnd);
+        assert_eq!(bbr.cwnd(&capacity, after + SimDuration::from_secs(2)), cwnd);
         assert!((90_000..150_000).contains(&cwnd), "{cwnd}");
     }
 

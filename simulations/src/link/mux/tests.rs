@@ -7,9 +7,31 @@ use proptest::prelude::*;
 
 const MB: u64 = 1_000_000;
 
+/// A link past its connection's STARTUP (its own tests are `queue`'s).
 fn mux(spec: &LinkSpec, seed: u64, window: u64) -> MuxLink {
     let link = Link::new(spec, None, &SimRng::new(seed).fork("link:test")).unwrap();
-    MuxLink::new(link, window)
+    let mut l = MuxLink::new(link, window);
+    l.end_startup();
+    l
+}
+
+#[test]
+fn a_new_connection_queues_its_initial_window_on_a_slow_link() {
+    // 1.32 Mbit/s, 20 ms: the initial window (240 kB) is a 1.4 s queue once the link has
+    // been busy that long, so a small message sent behind a large one waits most of it; past
+    // STARTUP it does not.
+    let spec = LinkSpec::constant(Bandwidth::from_bits_per_sec(1_320_000), 20.0);
+    let small_after_large = |l: &mut MuxLink| {
+        l.submit(SimTime::ZERO, MB, None);
+        let small = l.submit(ms(1_500), 5_000, None);
+        let (done, _) = drain(l);
+        done[&small].delivered_at.unwrap()
+    };
+    let link = Link::new(&spec, None, &SimRng::new(1).fork("link:test")).unwrap();
+    let starting = small_after_large(&mut MuxLink::new(link, 16 * MB));
+    let steady = small_after_large(&mut mux(&spec, 1, 16 * MB));
+    assert!(starting > ms(2_800), "{starting}");
+    assert!(steady < ms(1_700), "{steady}");
 }
 
 fn fast_link() -> LinkSpec {
