@@ -362,12 +362,25 @@ fn bytes_in(bits_per_sec: u64, d: SimDuration) -> u64 {
 mod tests {
     use super::*;
 
+    /// A constant link of `bits_per_sec` with `latency_ms` and `jitter_ms`, and its sender's
+    /// window (1,200-byte packets).
+    fn constant(bits_per_sec: u64, latency_ms: u64, jitter_ms: u64) -> (Capacity, Bbr) {
+        let capacity = Capacity::Constant { bits_per_sec };
+        let bbr = Bbr::new(
+            SimDuration::from_millis(latency_ms),
+            SimDuration::from_millis(jitter_ms),
+            1200,
+            &capacity,
+        );
+        (capacity, bbr)
+    }
+
     /// Asks for the window every millisecond until STARTUP is over; returns when it ended.
     fn past_startup(bbr: &mut Bbr, capacity: &Capacity) -> SimTime {
         let mut t = SimTime::ZERO;
         while bbr.startup.is_some() {
             bbr.cwnd(capacity, t);
-            t = t + SimDuration::from_millis(1);
+            t += SimDuration::from_millis(1);
             assert!(t < SimTime::from_secs(60), "STARTUP never ended");
         }
         t
@@ -377,15 +390,7 @@ mod tests {
     fn a_connection_starts_with_quinns_window_and_keeps_it_through_startup() {
         // `fidelity-fcc`'s uplink rate, 1.3 Mbit/s, 20 ms: the path holds 9 kB, the initial
         // window is a 1.45 s queue, so each STARTUP round lasts about that long.
-        let capacity = Capacity::Constant {
-            bits_per_sec: 1_320_000,
-        };
-        let mut bbr = Bbr::new(
-            SimDuration::from_millis(20),
-            SimDuration::from_millis(5),
-            1200,
-            &capacity,
-        );
+        let (capacity, mut bbr) = constant(1_320_000, 20, 5);
         assert_eq!(bbr.cwnd(&capacity, SimTime::ZERO), INITIAL_WINDOW);
         let ended = past_startup(&mut bbr, &capacity);
         // Three rounds on a plateau after the first: 4 × (1.4 s of queue + 0.06 s).
@@ -406,15 +411,7 @@ mod tests {
     #[test]
     fn startup_doubles_the_window_up_to_a_fast_paths_size() {
         // 1 Gbit/s, 5 ms: the path holds about 1.4 MB, six times the initial window.
-        let capacity = Capacity::Constant {
-            bits_per_sec: 1_000_000_000,
-        };
-        let mut bbr = Bbr::new(
-            SimDuration::from_millis(5),
-            SimDuration::ZERO,
-            1200,
-            &capacity,
-        );
+        let (capacity, mut bbr) = constant(1_000_000_000, 5, 0);
         let first = bbr.cwnd(&capacity, SimTime::ZERO);
         let second = bbr.cwnd(&capacity, SimTime::from_millis(12));
         assert_eq!((first, second), (INITIAL_WINDOW, 2 * INITIAL_WINDOW));
@@ -425,15 +422,7 @@ mod tests {
     #[test]
     fn the_window_is_twice_the_measured_bdp_plus_the_jitters_allowance() {
         // 10 Mbit/s, 15 ms, jitter 5 ms: quinn measured min_rtt 36.8–38.0 ms on this link.
-        let capacity = Capacity::Constant {
-            bits_per_sec: 10_000_000,
-        };
-        let mut bbr = Bbr::new(
-            SimDuration::from_millis(15),
-            SimDuration::from_millis(5),
-            1200,
-            &capacity,
-        );
+        let (capacity, mut bbr) = constant(10_000_000, 15, 5);
         // 30 + 5 + 2 · 1200 B at 10 Mbit/s (0.96 ms each).
         assert_eq!(bbr.min_rtt, SimDuration::from_micros(36_920));
         let bdp = bytes_in(10_000_000, bbr.min_rtt);
@@ -456,15 +445,7 @@ mod tests {
 
     #[test]
     fn a_link_without_latency_has_no_window_bound() {
-        let capacity = Capacity::Constant {
-            bits_per_sec: 1_000_000,
-        };
-        let mut bbr = Bbr::new(
-            SimDuration::ZERO,
-            SimDuration::from_millis(5),
-            1200,
-            &capacity,
-        );
+        let (capacity, mut bbr) = constant(1_000_000, 0, 5);
         assert_eq!(bbr.cwnd(&capacity, SimTime::from_secs(1)), u64::MAX);
     }
 }
