@@ -119,6 +119,11 @@ pub struct StrategyFidelity {
     /// both recorded (empty when either did not: a report from before they were counted).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub links: BTreeMap<String, LinkBytes>,
+    /// The time every simulated seed and real run took to reach the lowest final accuracy any
+    /// of them reached, compared ([`crate::fidelity_pace`]): the pace of a strategy whose runs
+    /// end before the target. In the aggregated rows only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pace: Option<crate::fidelity_pace::Pace>,
 }
 
 /// One access link's bytes in both engines.
@@ -264,6 +269,7 @@ pub fn compare_results(
         real_runs: 1,
         sim_spread: None,
         links: link_bytes(sim, r),
+        pace: None,
     }
 }
 
@@ -340,7 +346,13 @@ pub fn aggregate(runs: &[StrategyFidelity]) -> StrategyFidelity {
                 })
             })
             .collect(),
+        pace: None,
     }
+}
+
+/// Strategy `i` of every summary.
+fn nth(summaries: &[SimSummary], i: usize) -> Vec<&StrategyResult> {
+    summaries.iter().map(|x| &x.strategies[i]).collect()
 }
 
 /// Checks the optional bounds; the error lists every cell outside them.
@@ -466,7 +478,7 @@ pub fn run(args: FidelityArgs) -> Result<()> {
             crate::fidelity_seeds::combine(&runs, &seeds, access_bytes)
         })
         .unzip();
-    let sim = per_seed.swap_remove(0);
+    let sim = per_seed[0].clone();
     // The real runs: `real/`, or `real/run-K/` for each of several.
     let started = Instant::now();
     let mut reals = Vec::with_capacity(args.real_runs);
@@ -506,7 +518,11 @@ pub fn run(args: FidelityArgs) -> Result<()> {
         }
     }
     let strategies = (0..sim.strategies.len())
-        .map(|i| aggregate(&per_run.iter().map(|run| run[i].clone()).collect::<Vec<_>>()))
+        .map(|i| {
+            let mut row = aggregate(&per_run.iter().map(|run| run[i].clone()).collect::<Vec<_>>());
+            row.pace = crate::fidelity_pace::pace(&nth(&per_seed, i), &nth(&reals, i));
+            row
+        })
         .collect();
     let report = FidelityReport {
         scenario: s.name.clone(),
@@ -684,6 +700,7 @@ mod tests {
                     error: None,
                 },
             )]),
+            pace: None,
         }
     }
 

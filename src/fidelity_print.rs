@@ -1,7 +1,8 @@
 //! The `fidelity` report on the terminal: per strategy the simulated and real time to target,
 //! final accuracy, bytes and weak-sync events with their differences, each real run's values
-//! under `--real-runs`, each simulated seed's under `--sim-seeds`, the real run's warnings, and
-//! per access link the bytes in both engines.
+//! under `--real-runs`, each simulated seed's under `--sim-seeds`, the pace of a strategy whose
+//! real runs never reached the target, the real run's warnings, and per access link the bytes
+//! in both engines.
 
 use crate::fidelity_cmd::{FidelityReport, StrategyFidelity};
 
@@ -86,6 +87,19 @@ pub(crate) fn print_report(r: &FidelityReport) {
                 joined(&spread.time_to_target_s, |t| secs(*t)),
                 joined(&spread.final_accuracy, |a| acc(*a)),
                 joined(&spread.bytes, |b| format!("{:.1}", mib(*b))),
+            );
+        }
+        if let Some(p) = s
+            .pace
+            .as_ref()
+            .filter(|_| s.real_time_to_target_s.is_none())
+        {
+            println!(
+                "  pace (no target): time to {} (the lowest final of any seed or run): sim {:.1} s, real {:.1} s ({})",
+                acc(Some(p.level)),
+                p.sim_time_s,
+                p.real_time_s,
+                pct(p.error),
             );
         }
         if s.real_pace_overruns > 0 {

@@ -11,6 +11,7 @@ mod cluster_summary;
 mod compare;
 mod coordinator_cmd;
 mod fidelity_cmd;
+mod fidelity_pace;
 mod fidelity_print;
 mod fidelity_reuse;
 mod fidelity_seeds;
