@@ -6,12 +6,13 @@
 //! its final accuracy is a step function of the rounds done, so one round more or less at the
 //! cutoff is 5–15 points, however close the pace. The pace cell compares that pace instead.
 //! The level is the lowest final accuracy of every simulated seed and real run, so each reached
-//! it; each run's time is its first evaluation at or above it, and the cell compares the
-//! medians (`(sim − real) / real`).
+//! it; each run's time is its first evaluation at or above it. The cell compares the medians
+//! of those times (`(sim − real) / real`) and the mean bytes on the access links by then: what
+//! the strategy spent for that progress, where a run's total counts its rounds to the cutoff.
 
-use crate::fidelity_seeds::median;
+use crate::fidelity_seeds::{mean, median};
 use serde::Serialize;
-use simulations::report::StrategyResult;
+use simulations::report::{SeriesPoint, StrategyResult};
 
 /// The pace cell of one strategy.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -24,16 +25,26 @@ pub struct Pace {
     pub real_time_s: f64,
     /// `(sim − real) / real`.
     pub error: Option<f64>,
+    /// Mean bytes on the nodes' access links by then, simulated.
+    pub sim_bytes: u64,
+    /// Mean bytes the real nodes had put on their access links by then.
+    pub real_bytes: u64,
+    /// `(sim − real) / real` of the bytes.
+    pub bytes_error: Option<f64>,
 }
 
-/// When `r` was first evaluated at `level` or above (its last evaluation when none was:
-/// the final accuracy counts as evaluated at the end).
-fn time_to(r: &StrategyResult, level: f64) -> Option<f64> {
+/// `r`'s first evaluation at `level` or above (its last when none was: the final accuracy
+/// counts as evaluated at the end).
+fn reached(r: &StrategyResult, level: f64) -> Option<&SeriesPoint> {
     r.series
         .iter()
         .find(|p| p.accuracy.is_some_and(|a| a >= level))
         .or(r.series.last())
-        .map(|p| p.time_s)
+}
+
+/// `(sim − real) / real`, `None` without a real value.
+fn error(sim: f64, real: f64) -> Option<f64> {
+    (real > 0.0).then(|| (sim - real) / real)
 }
 
 /// The pace cell of one strategy's simulated seeds and real runs; `None` without runs on
@@ -45,26 +56,35 @@ pub fn pace(sims: &[&StrategyResult], reals: &[&StrategyResult]) -> Option<Pace>
         .map(|r| r.final_accuracy)
         .collect::<Option<_>>()?;
     let level = finals.into_iter().reduce(f64::min)?;
-    let median_time = |runs: &[&StrategyResult]| {
-        median(
-            runs.iter()
-                .map(|r| time_to(r, level))
-                .collect::<Option<_>>()?,
-        )
+    let at_level = |runs: &[&StrategyResult]| -> Option<(f64, u64)> {
+        let points: Vec<&SeriesPoint> = runs
+            .iter()
+            .map(|r| reached(r, level))
+            .collect::<Option<_>>()?;
+        let bytes: Vec<f64> = points
+            .iter()
+            .map(|p| p.access_bytes.unwrap_or(p.bytes_sent) as f64)
+            .collect();
+        Some((
+            median(points.iter().map(|p| p.time_s).collect())?,
+            mean(&bytes)?.round() as u64,
+        ))
     };
-    let (sim_time_s, real_time_s) = (median_time(sims)?, median_time(reals)?);
+    let ((sim_time_s, sim_bytes), (real_time_s, real_bytes)) = (at_level(sims)?, at_level(reals)?);
     Some(Pace {
         level,
         sim_time_s,
         real_time_s,
-        error: (real_time_s > 0.0).then(|| (sim_time_s - real_time_s) / real_time_s),
+        error: error(sim_time_s, real_time_s),
+        sim_bytes,
+        real_bytes,
+        bytes_error: error(sim_bytes as f64, real_bytes as f64),
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use simulations::report::SeriesPoint;
 
     /// A run evaluated once a second with these accuracies (the last is its final one).
     fn run(accuracies: &[f64]) -> StrategyResult {
@@ -77,6 +97,7 @@ mod tests {
                 accuracy: Some(a),
                 loss: 1.0,
                 bytes_sent: 0,
+                access_bytes: Some(1000 * (k as u64 + 1)),
                 mean_steps: 0.0,
                 divergence: None,
             })
@@ -106,6 +127,9 @@ mod tests {
         // Seeds at 4 and 3 s (median 3.5), runs at 5 and 4 s (median 4.5).
         assert_eq!((p.sim_time_s, p.real_time_s), (3.5, 4.5));
         assert!((p.error.unwrap() - (3.5 - 4.5) / 4.5).abs() < 1e-12);
+        // Bytes by then (1,000 per second here): the means of 4,000 and 3,000, 5,000 and 4,000.
+        assert_eq!((p.sim_bytes, p.real_bytes), (3500, 4500));
+        assert!((p.bytes_error.unwrap() - (3500.0 - 4500.0) / 4500.0).abs() < 1e-12);
     }
 
     #[test]

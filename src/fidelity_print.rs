@@ -95,11 +95,14 @@ pub(crate) fn print_report(r: &FidelityReport) {
             .filter(|_| s.real_time_to_target_s.is_none())
         {
             println!(
-                "  pace (no target): time to {} (the lowest final of any seed or run): sim {:.1} s, real {:.1} s ({})",
+                "  pace (no target): time to {} (the lowest final of any seed or run): sim {:.1} s, real {:.1} s ({}); MiB by then {:.1} / {:.1} ({})",
                 acc(Some(p.level)),
                 p.sim_time_s,
                 p.real_time_s,
                 pct(p.error),
+                mib(p.sim_bytes),
+                mib(p.real_bytes),
+                pct(p.bytes_error),
             );
         }
         if s.real_pace_overruns > 0 {

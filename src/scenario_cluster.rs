@@ -454,6 +454,7 @@ pub fn strategy_result(
             accuracy: if lm { None } else { p.accuracy },
             loss: p.loss,
             bytes_sent: p.relay_bytes,
+            access_bytes: Some(p.relay_bytes),
             mean_steps: 0.0,
             divergence: None,
         })

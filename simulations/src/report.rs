@@ -16,6 +16,10 @@ pub struct SeriesPoint {
     pub loss: f64,
     /// Bytes sent on all links so far.
     pub bytes_sent: u64,
+    /// Edge kind: bytes on the nodes' access links so far (the `cloud` and `edge` classes, what
+    /// a real run's relays count; its `bytes_sent` is that already). `None` in other runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access_bytes: Option<u64>,
     /// Mean optimizer steps completed per node so far.
     pub mean_steps: f64,
     /// Edge kind: the divergence monitor's largest spread over the layers (the farthest

@@ -525,6 +525,7 @@ impl<'a> Simulation<'a> {
             accuracy: eval.accuracy,
             loss: eval.loss,
             bytes_sent,
+            access_bytes: None,
             mean_steps: steps as f64,
             divergence: None,
         }

@@ -1482,6 +1482,12 @@ impl<'a> World<'a> {
             accuracy: ev.accuracy,
             loss: ev.loss,
             bytes_sent: self.bytes_total,
+            access_bytes: Some(
+                ["cloud", "edge"]
+                    .iter()
+                    .filter_map(|c| self.bytes_by_class.get(*c))
+                    .sum(),
+            ),
             mean_steps,
             divergence,
         });
