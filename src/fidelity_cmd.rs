@@ -214,7 +214,8 @@ pub fn staleness_distance(a: &BTreeMap<u64, u64>, b: &BTreeMap<u64, u64>) -> Opt
     )
 }
 
-fn signed_error(sim: f64, real: f64) -> Option<f64> {
+/// `(sim − real) / real`, `None` without a real value.
+pub(crate) fn signed_error(sim: f64, real: f64) -> Option<f64> {
     (real > 0.0).then(|| (sim - real) / real)
 }
 

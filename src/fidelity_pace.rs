@@ -10,6 +10,7 @@
 //! of those times (`(sim − real) / real`) and the mean bytes on the access links by then: what
 //! the strategy spent for that progress, where a run's total counts its rounds to the cutoff.
 
+use crate::fidelity_cmd::signed_error;
 use crate::fidelity_seeds::{mean, median};
 use serde::Serialize;
 use simulations::report::{SeriesPoint, StrategyResult};
@@ -42,11 +43,6 @@ fn reached(r: &StrategyResult, level: f64) -> Option<&SeriesPoint> {
         .or(r.series.last())
 }
 
-/// `(sim − real) / real`, `None` without a real value.
-fn error(sim: f64, real: f64) -> Option<f64> {
-    (real > 0.0).then(|| (sim - real) / real)
-}
-
 /// The pace cell of one strategy's simulated seeds and real runs; `None` without runs on
 /// either side or without accuracies (a language model).
 pub fn pace(sims: &[&StrategyResult], reals: &[&StrategyResult]) -> Option<Pace> {
@@ -75,10 +71,10 @@ pub fn pace(sims: &[&StrategyResult], reals: &[&StrategyResult]) -> Option<Pace>
         level,
         sim_time_s,
         real_time_s,
-        error: error(sim_time_s, real_time_s),
+        error: signed_error(sim_time_s, real_time_s),
         sim_bytes,
         real_bytes,
-        bytes_error: error(sim_bytes as f64, real_bytes as f64),
+        bytes_error: signed_error(sim_bytes as f64, real_bytes as f64),
     })
 }
 
