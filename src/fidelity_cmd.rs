@@ -181,10 +181,7 @@ pub struct FidelityReport {
 
 /// Bytes on the nodes' access links of a result.
 fn access_bytes(r: &StrategyResult) -> u64 {
-    ["cloud", "edge"]
-        .iter()
-        .filter_map(|c| r.bytes_by_link_class.get(*c))
-        .sum()
+    simulations::report::access_link_bytes(&r.bytes_by_link_class)
 }
 
 fn capped(h: &BTreeMap<u64, u64>) -> BTreeMap<u64, f64> {
@@ -479,7 +476,7 @@ pub fn run(args: FidelityArgs) -> Result<()> {
             crate::fidelity_seeds::combine(&runs, &seeds, access_bytes)
         })
         .unzip();
-    let sim = per_seed[0].clone();
+    let sim = &per_seed[0];
     // The real runs: `real/`, or `real/run-K/` for each of several.
     let started = Instant::now();
     let mut reals = Vec::with_capacity(args.real_runs);
@@ -509,7 +506,7 @@ pub fn run(args: FidelityArgs) -> Result<()> {
         reals.push(real);
     }
     let real_wall_seconds = started.elapsed().as_secs_f64();
-    crate::simulate_cmd::write_outputs(&out.join("sim"), &sim)?;
+    crate::simulate_cmd::write_outputs(&out.join("sim"), sim)?;
 
     if seeds.len() > 1 {
         for run in &mut per_run {

@@ -5,6 +5,15 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+/// Bytes on the nodes' access links among bytes counted by link class: the `cloud` and `edge`
+/// classes (what a real run's relays count; the aggregators' own links are not relayed).
+pub fn access_link_bytes(by_class: &BTreeMap<String, u64>) -> u64 {
+    ["cloud", "edge"]
+        .iter()
+        .filter_map(|c| by_class.get(*c))
+        .sum()
+}
+
 /// One evaluation of the global model during a run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SeriesPoint {

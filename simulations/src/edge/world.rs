@@ -1482,12 +1482,7 @@ impl<'a> World<'a> {
             accuracy: ev.accuracy,
             loss: ev.loss,
             bytes_sent: self.bytes_total,
-            access_bytes: Some(
-                ["cloud", "edge"]
-                    .iter()
-                    .filter_map(|c| self.bytes_by_class.get(*c))
-                    .sum(),
-            ),
+            access_bytes: Some(crate::report::access_link_bytes(&self.bytes_by_class)),
             mean_steps,
             divergence,
         });
