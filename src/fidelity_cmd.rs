@@ -55,7 +55,9 @@ pub struct FidelityArgs {
     /// Fail unless |bytes error| ≤ this fraction for every strategy.
     #[arg(long)]
     pub max_bytes_error: Option<f64>,
-    /// Real runs per strategy (each cell is compared with their typical value).
+    /// Real runs per strategy (each cell is compared with their typical value); 0: the
+    /// simulated side alone (its typical run and spread over `--sim-seeds`, printed and written
+    /// to `sim/`), e.g. to see what a change to the model moves before recording real runs.
     #[arg(long, default_value_t = 1)]
     pub real_runs: usize,
     /// Compare with the real run recorded in this earlier `fidelity --out` folder (its
@@ -412,8 +414,8 @@ fn check_bounds(args: &FidelityArgs, r: &FidelityReport) -> Result<()> {
 
 /// Runs `fidelity`.
 pub fn run(args: FidelityArgs) -> Result<()> {
-    if args.real_runs == 0 {
-        bail!("--real-runs must be at least 1 (got 0)");
+    if args.real_runs == 0 && args.real_from.is_some() {
+        bail!("--real-runs 0 runs the simulated side alone: leave out --real-from");
     }
     if args.sim_seeds == 0 {
         bail!("--sim-seeds must be at least 1 (got 0)");
@@ -477,6 +479,11 @@ pub fn run(args: FidelityArgs) -> Result<()> {
         })
         .unzip();
     let sim = &per_seed[0];
+    if args.real_runs == 0 {
+        crate::simulate_cmd::write_outputs(&out.join("sim"), sim)?;
+        crate::fidelity_print::print_simulated_only(&s.name, &combined, &spreads, access_bytes);
+        return Ok(());
+    }
     // The real runs: `real/`, or `real/run-K/` for each of several.
     let started = Instant::now();
     let mut reals = Vec::with_capacity(args.real_runs);

@@ -139,3 +139,31 @@ fn print_links(r: &FidelityReport) {
         }
     }
 }
+
+/// `fidelity --real-runs 0`: each strategy's typical simulated run and its seeds.
+pub(crate) fn print_simulated_only(
+    scenario: &str,
+    combined: &[simulations::report::StrategyResult],
+    spreads: &[crate::fidelity_seeds::SimSpread],
+    access_bytes: impl Fn(&simulations::report::StrategyResult) -> u64,
+) {
+    println!();
+    println!("simulated side of scenario {scenario} alone (no real runs): the typical run, then each network seed");
+    for (r, spread) in combined.iter().zip(spreads) {
+        println!(
+            "{:<17} time to target {} s, final accuracy {}, access-link bytes {:.1} MiB",
+            r.strategy,
+            secs(r.time_to_target_s),
+            acc(r.final_accuracy),
+            mib(access_bytes(r))
+        );
+        println!(
+            "{:<17} seeds {}: {} s; {}; {} MiB",
+            "",
+            joined(&spread.seeds, |s| s.to_string()),
+            joined(&spread.time_to_target_s, |t| secs(*t)),
+            joined(&spread.final_accuracy, |a| acc(*a)),
+            joined(&spread.bytes, |b| format!("{:.1}", mib(*b)))
+        );
+    }
+}

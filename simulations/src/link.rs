@@ -1238,8 +1238,13 @@ mod tests {
                 let t = l.send(now, bytes, None);
                 prop_assert!(t.bytes_on_wire >= bytes);
                 prop_assert_eq!(t.packets_sent, t.packets + t.retransmissions);
-                let at = t.delivered_at.expect("no deadline and loss < 1");
-                prop_assert!(at >= now + latency);
+                // Without a deadline a message fails only when its connection does: the same
+                // packet lost so often in a row that the probe timeout's backoff outlasts the
+                // idle timeout (rare, and QUIC's behaviour too).
+                match t.delivered_at {
+                    Some(at) => prop_assert!(at >= now + latency),
+                    None => prop_assert_eq!(t.failure, Some(TransferFailure::IdleTimeout)),
+                }
                 prop_assert!(t.link_free_at >= t.started_at && t.started_at >= now);
             }
         }

@@ -56,7 +56,7 @@
 //! is admitted; streams have equal priority (versions, deltas and acknowledgements share fairly).
 
 use super::queue::Bbr;
-use super::recovery::Recovery;
+use super::recovery::{AckNews, Recovery};
 use super::window::{LostPacket, SendWindow};
 use super::{Capacity, Link, PacketFate, Transfer, TransferFailure};
 use crate::time::{SimDuration, SimTime, NANOS_PER_SEC};
@@ -481,6 +481,13 @@ impl MuxLink {
             None => send = probe,
         }
         let mut next = send;
+        // The receiver's ACK frame going out may open the window or restart the probe timer.
+        if let Some(frame) = self.recovery.frame_sends_at() {
+            let frame = frame.max(self.clock);
+            if next.is_none_or(|(t, _)| frame < t) {
+                next = Some((frame, Decision::WindowOpens));
+            }
+        }
         let idle = self.idle_fires_at().max(self.clock);
         if next.is_none_or(|(t, _)| idle <= t) {
             next = Some((idle, Decision::IdleTimeout));
@@ -501,6 +508,7 @@ impl MuxLink {
                 break;
             }
             self.clock = t;
+            self.send_due_ack_frame(t);
             self.drain_window(t);
             match decision {
                 Decision::WindowOpens => {}
@@ -515,7 +523,10 @@ impl MuxLink {
                     // PING.
                     self.recovery.probe_fired();
                     for _ in 0..2 {
+                        // The second probe goes when the first is serialized: what it
+                        // finishes, it finishes then (`next_wake` counts on it).
                         let at = t.max(self.free_at);
+                        self.clock = at;
                         let streams = &self.streams;
                         let oldest = self.recovery.oldest_loss(|&p| is_current(streams, p));
                         if let Some((id, packet, _)) = oldest {
@@ -657,10 +668,25 @@ impl MuxLink {
     fn on_delivered(&mut self, size: u64, ack_sent: SimTime) {
         let latency = self.link.params.latency;
         let smoothed = self.link.rtt.smoothed;
-        let Some((back, declared)) =
-            self.recovery
-                .delivered(&mut self.in_flight, size, ack_sent, latency, smoothed)
-        else {
+        let news = self
+            .recovery
+            .delivered(&mut self.in_flight, size, ack_sent, latency, smoothed);
+        self.take_ack_news(news);
+    }
+
+    /// The receiver's ACK frame goes out if it is due by `t` (no later packet came to fill it).
+    fn send_due_ack_frame(&mut self, t: SimTime) {
+        let latency = self.link.params.latency;
+        let smoothed = self.link.rtt.smoothed;
+        let news = self
+            .recovery
+            .frame_due(&mut self.in_flight, t, latency, smoothed);
+        self.take_ack_news(news);
+    }
+
+    /// An ACK frame is back: the packets it declares lost are sent again.
+    fn take_ack_news(&mut self, news: Option<AckNews>) {
+        let Some((back, declared)) = news else {
             return;
         };
         self.last_ack = self.last_ack.max(back);

@@ -235,8 +235,16 @@ impl Bbr {
         start: SimTime,
         end: SimTime,
     ) -> SimDuration {
+        // A pause drains the queue that stood behind the last packet by its length, no more (a
+        // window-bound sender pauses for each ACK frame, a few packets' time): the queue left
+        // is as if the link had been busy for that long.
         if start > self.last_end {
-            self.busy_since = start;
+            let stood = self
+                .last_full_wait
+                .min(self.last_end.saturating_since(self.busy_since));
+            let gap = start.saturating_since(self.last_end);
+            let left = SimDuration(stood.as_nanos().saturating_sub(gap.as_nanos()));
+            self.busy_since = SimTime::from_nanos(start.as_nanos() - left.as_nanos());
         }
         self.last_end = end;
         if self.min_rtt.as_nanos() == 0 {

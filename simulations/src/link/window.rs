@@ -38,13 +38,7 @@ impl SendWindow {
         self.departures.peek().map(|Reverse((t, _))| *t)
     }
 
-    /// A delivered packet of `bytes`, acknowledged at `acked`.
-    pub(super) fn sent_delivered(&mut self, bytes: u64, acked: SimTime) {
-        let key = self.add(bytes, None);
-        self.departures.push(Reverse((acked, key)));
-    }
-
-    /// A delivered packet of `bytes` whose acknowledgement was lost: it stays until
+    /// A delivered packet of `bytes` whose acknowledgement is not back yet: it stays until
     /// [`SendWindow::acknowledged`]; returns its key.
     pub(super) fn sent_unacknowledged(&mut self, bytes: u64) -> u64 {
         self.add(bytes, None)
@@ -104,10 +98,13 @@ mod tests {
     #[test]
     fn a_delivered_packet_leaves_at_its_acknowledgement() {
         let mut w = SendWindow::default();
-        w.sent_delivered(1200, at(100));
-        w.drain(at(99));
+        let key = w.sent_unacknowledged(1200);
+        w.drain(at(10_000));
         assert_eq!(w.bytes_in_flight(), 1200);
-        w.drain(at(100));
+        w.acknowledged(key, at(10_100));
+        w.drain(at(10_099));
+        assert_eq!(w.bytes_in_flight(), 1200);
+        w.drain(at(10_100));
         assert_eq!(w.bytes_in_flight(), 0);
         assert_eq!(w.next_departure(), None);
     }

@@ -78,7 +78,14 @@ fn one_message_alone_is_the_fifo_link_plus_the_standing_queue() {
             let mut l = mux(&spec, seed, 4 * MB);
             let id = l.submit(SimTime::ZERO, MB, None);
             let (done, _) = drain(&mut l);
-            assert_eq!(done[&id].bytes_on_wire, fifo.bytes_on_wire);
+            // The same losses, give or take a retransmission: ACK frames declare a loss a few
+            // packets later than the FIFO link's per-packet bookkeeping, so the resent
+            // packets draw their fates at other places in the loss stream.
+            let (mux_wire, fifo_wire) = (done[&id].bytes_on_wire, fifo.bytes_on_wire);
+            assert!(
+                mux_wire.abs_diff(fifo_wire) <= 2 * 1_500,
+                "{mux_wire} vs {fifo_wire}"
+            );
             if loss == 0.0 {
                 // Busy for 80 ms: BBR's queue of up to one round trip has built up: 20 ms of
                 // latency, 1 ms of jitter, two packets' serialization (0.24 ms), plus the ack
@@ -315,6 +322,32 @@ fn lost_acknowledgements_stall_the_sender_as_lost_data_does() {
     assert!(
         flowing > 7 * MB,
         "{flowing} bytes with the acknowledgements flowing"
+    );
+}
+
+#[test]
+fn acknowledgements_lost_in_bursts_cost_whole_frames() {
+    // 10 Mbit/s, 20 ms, 95 % of what goes back lost: an ACK frame covers three packets and
+    // gets through one time in twenty, so the sender waits on its window much of the time.
+    let mut forward = LinkSpec::constant(Bandwidth::from_mbit(10), 20.0);
+    forward.idle_timeout_s = 60.0;
+    let bytes_in_8_s = |reverse: &LinkSpec| {
+        let mut l = mux(&forward, 1, 64 * MB);
+        l.carry_acks_on(&mux(reverse, 2, 64 * MB));
+        l.submit(SimTime::ZERO, 20 * MB, None);
+        l.advance_through(ms(1_000));
+        let before = l.bytes_serialized();
+        l.advance_through(ms(9_000));
+        l.bytes_serialized() - before
+    };
+    let clean = LinkSpec::constant(Bandwidth::from_mbit(10), 20.0);
+    let mut lossy = clean.clone();
+    lossy.loss = 0.95;
+    let (flowing, lossy_back) = (bytes_in_8_s(&clean), bytes_in_8_s(&lossy));
+    assert!(flowing > 7 * MB, "{flowing} bytes with the way back clean");
+    assert!(
+        lossy_back < flowing / 2,
+        "{lossy_back} bytes with 95 % of the ACK frames lost, {flowing} without"
     );
 }
 
