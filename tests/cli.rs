@@ -147,7 +147,17 @@ fn bad_flags_get_clear_errors() {
             "--sync-unit-kb",
         ),
         (&["train", "--dataset", "digits", "--link", "1gbt"], "1gbt"),
-        (&["fidelity", "--real-runs", "0"], "--real-runs"),
+        (
+            &[
+                "fidelity",
+                "--real-runs",
+                "0",
+                "--real-from",
+                "/nonexistent",
+            ],
+            "--real-runs 0",
+        ),
+        (&["fidelity", "--sim-seeds", "0"], "--sim-seeds"),
         (
             &["train", "--dataset", "digits", "--model", "resnet"],
             "expected one of: mlp, cnn, gpt-tiny",

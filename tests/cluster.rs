@@ -1016,13 +1016,21 @@ fn a_scenario_runs_as_real_processes_and_reports_in_the_simulators_schema() {
     let out = dir.join("out");
     let started = Instant::now();
     let summary = run_cluster(&scenario, &out, &["--strategies", "elastic"]);
+    // Loading, dialling and the stop take their own wall time (minutes when the other tests
+    // of this file load the 2 cores too): the trainers' own clock says whether they stopped at
+    // max_virtual_s; the wall bound only catches a run that does not stop at all.
     assert!(
-        started.elapsed() < Duration::from_secs(120),
-        "stopped near max_virtual_s"
+        started.elapsed() < Duration::from_secs(300),
+        "the run did not stop"
     );
     assert_eq!(summary["scenario"], "fidelity-smoke", "{summary}");
     let r = &summary["strategies"][0];
     assert_eq!(r["strategy"], "elastic");
+    let ran = r["virtual_seconds"].as_f64().unwrap();
+    assert!(
+        (20.0..=35.0).contains(&ran),
+        "stopped at {ran} s of the run, not near max_virtual_s = 25"
+    );
     assert_eq!(r["undelivered_deltas"], 0, "{r}");
     assert!(
         r["bytes_by_link_class"]["edge"].as_u64().unwrap() > 0,
