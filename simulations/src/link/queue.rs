@@ -211,11 +211,16 @@ impl Bbr {
     /// still busy at `now`, else none.
     pub(super) fn current_wait(&self, now: SimTime) -> SimDuration {
         if self.last_end >= now {
-            self.last_full_wait
-                .min(self.last_end.saturating_since(self.busy_since))
+            self.wait_at_last_end()
         } else {
             SimDuration::ZERO
         }
+    }
+
+    /// The queue that stood behind the last packet sent.
+    fn wait_at_last_end(&self) -> SimDuration {
+        self.last_full_wait
+            .min(self.last_end.saturating_since(self.busy_since))
     }
 
     /// The window at `t`, bytes (`u64::MAX` on a link without latency: no window bound).
@@ -239,9 +244,7 @@ impl Bbr {
         // window-bound sender pauses for each ACK frame, a few packets' time): the queue left
         // is as if the link had been busy for that long.
         if start > self.last_end {
-            let stood = self
-                .last_full_wait
-                .min(self.last_end.saturating_since(self.busy_since));
+            let stood = self.wait_at_last_end();
             let gap = start.saturating_since(self.last_end);
             let left = SimDuration(stood.as_nanos().saturating_sub(gap.as_nanos()));
             self.busy_since = SimTime::from_nanos(start.as_nanos() - left.as_nanos());

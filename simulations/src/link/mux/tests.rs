@@ -294,18 +294,24 @@ fn an_outage_gets_a_window_of_packets_then_only_probes_that_back_off() {
     assert!(done[&id].is_delivered());
 }
 
-#[test]
-fn lost_acknowledgements_stall_the_sender_as_lost_data_does() {
+/// A 20 MB message on 10 Mbit/s, 20 ms (60 s idle timeout) whose acknowledgements cross
+/// `reverse`: the bytes serialized from `from_ms` to `to_ms`, the link, the message.
+fn bytes_with_acks_over(reverse: &LinkSpec, from_ms: u64, to_ms: u64) -> (u64, MuxLink, u64) {
     let mut forward = LinkSpec::constant(Bandwidth::from_mbit(10), 20.0);
     forward.idle_timeout_s = 60.0;
+    let mut l = mux(&forward, 1, 64 * MB);
+    l.carry_acks_on(&mux(reverse, 2, 64 * MB));
+    let id = l.submit(SimTime::ZERO, 20 * MB, None);
+    l.advance_through(ms(from_ms));
+    let before = l.bytes_serialized();
+    l.advance_through(ms(to_ms));
+    (l.bytes_serialized() - before, l, id)
+}
+
+#[test]
+fn lost_acknowledgements_stall_the_sender_as_lost_data_does() {
     let bytes_during = |reverse: &LinkSpec| {
-        let mut l = mux(&forward, 1, 64 * MB);
-        l.carry_acks_on(&mux(reverse, 2, 64 * MB));
-        let id = l.submit(SimTime::ZERO, 20 * MB, None);
-        l.advance_through(ms(1_500));
-        let before = l.bytes_serialized();
-        l.advance_through(ms(8_900));
-        let during = l.bytes_serialized() - before;
+        let (during, mut l, id) = bytes_with_acks_over(reverse, 1_500, 8_900);
         let (done, _) = drain(&mut l);
         assert!(done[&id].is_delivered());
         during
@@ -329,17 +335,7 @@ fn lost_acknowledgements_stall_the_sender_as_lost_data_does() {
 fn acknowledgements_lost_in_bursts_cost_whole_frames() {
     // 10 Mbit/s, 20 ms, 95 % of what goes back lost: an ACK frame covers three packets and
     // gets through one time in twenty, so the sender waits on its window much of the time.
-    let mut forward = LinkSpec::constant(Bandwidth::from_mbit(10), 20.0);
-    forward.idle_timeout_s = 60.0;
-    let bytes_in_8_s = |reverse: &LinkSpec| {
-        let mut l = mux(&forward, 1, 64 * MB);
-        l.carry_acks_on(&mux(reverse, 2, 64 * MB));
-        l.submit(SimTime::ZERO, 20 * MB, None);
-        l.advance_through(ms(1_000));
-        let before = l.bytes_serialized();
-        l.advance_through(ms(9_000));
-        l.bytes_serialized() - before
-    };
+    let bytes_in_8_s = |reverse: &LinkSpec| bytes_with_acks_over(reverse, 1_000, 9_000).0;
     let clean = LinkSpec::constant(Bandwidth::from_mbit(10), 20.0);
     let mut lossy = clean.clone();
     lossy.loss = 0.95;
