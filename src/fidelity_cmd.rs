@@ -126,6 +126,11 @@ pub struct StrategyFidelity {
     /// end before the target. In the aggregated rows only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pace: Option<crate::fidelity_pace::Pace>,
+    /// When the real runs typically reach the target and the simulated seeds do not by the
+    /// scenario's end: the seeds' time to target run on past it
+    /// ([`crate::fidelity_past_cutoff`]). In the aggregated rows only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub past_cutoff: Option<crate::fidelity_past_cutoff::PastCutoff>,
 }
 
 /// One access link's bytes in both engines.
@@ -270,6 +275,7 @@ pub fn compare_results(
         sim_spread: None,
         links: link_bytes(sim, r),
         pace: None,
+        past_cutoff: None,
     }
 }
 
@@ -347,6 +353,7 @@ pub fn aggregate(runs: &[StrategyFidelity]) -> StrategyFidelity {
             })
             .collect(),
         pace: None,
+        past_cutoff: None,
     }
 }
 
@@ -410,6 +417,34 @@ fn check_bounds(args: &FidelityArgs, r: &FidelityReport) -> Result<()> {
             out.join("\n  ")
         )
     }
+}
+
+/// Runs `strategy`'s simulated seeds again for [`crate::fidelity_past_cutoff::PAST_CUTOFF_FACTOR`]
+/// times the scenario's length and compares their typical time to target with `real_time`.
+fn run_on_past_cutoff(
+    loaded: &LoadedScenario,
+    strategy: &str,
+    seeds: &[u64],
+    real_time: f64,
+) -> Result<crate::fidelity_past_cutoff::PastCutoff> {
+    let virtual_s = loaded.scenario.max_virtual_s * crate::fidelity_past_cutoff::PAST_CUTOFF_FACTOR;
+    println!(
+        "{strategy}: the real runs reach the target, the simulated seeds do not by {:.0} s: running them on to {virtual_s:.0} s",
+        loaded.scenario.max_virtual_s
+    );
+    let times = seeds
+        .iter()
+        .map(|&seed| {
+            let mut scenario = loaded.scenario.clone();
+            scenario.network_seed = Some(seed);
+            scenario.max_virtual_s = virtual_s;
+            crate::simulate_cmd::simulate_strategy(&scenario, &loaded.task, strategy, &mut |_| {})
+                .map(|r| r.time_to_target_s)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(crate::fidelity_past_cutoff::compare(
+        times, virtual_s, real_time,
+    ))
 }
 
 /// Runs `fidelity`.
@@ -522,13 +557,25 @@ pub fn run(args: FidelityArgs) -> Result<()> {
             }
         }
     }
-    let strategies = (0..sim.strategies.len())
+    let mut strategies: Vec<StrategyFidelity> = (0..sim.strategies.len())
         .map(|i| {
             let mut row = aggregate(&per_run.iter().map(|run| run[i].clone()).collect::<Vec<_>>());
             row.pace = crate::fidelity_pace::pace(&nth(&per_seed, i), &nth(&reals, i));
             row
         })
         .collect();
+    for row in &mut strategies {
+        if let Some(real_time) = row.real_time_to_target_s.filter(|_| {
+            crate::fidelity_past_cutoff::needed(row.real_time_to_target_s, row.sim_time_to_target_s)
+        }) {
+            row.past_cutoff = Some(run_on_past_cutoff(
+                &loaded,
+                &row.strategy,
+                &seeds,
+                real_time,
+            )?);
+        }
+    }
     let report = FidelityReport {
         scenario: s.name.clone(),
         seed: s.seed,
@@ -653,6 +700,14 @@ mod tests {
         // The row compares the seeds' mean bytes.
         let mean = (bytes[0] + bytes[1]) as f64 / 2.0;
         assert!((row["sim_bytes"].as_f64().unwrap() - mean).abs() <= 1.0);
+        // The recorded real run reached the target (12 s), the seeds do not by 3 s: they were
+        // run on to 4.5 s, where they still do not.
+        assert_eq!(row["past_cutoff"]["virtual_s"], serde_json::json!(4.5));
+        assert_eq!(
+            row["past_cutoff"]["sim_times_s"],
+            serde_json::json!([null, null])
+        );
+        assert!(row["past_cutoff"]["time_to_target_error"].is_null());
         // The first seed's outputs are `sim/`, the second's `sim/network-seed-N/`.
         assert!(out.join("sim").join("summary.json").exists());
         assert!(out
@@ -660,6 +715,33 @@ mod tests {
             .join(format!("network-seed-{}", seed + 1))
             .join("summary.json")
             .exists());
+    }
+
+    #[test]
+    fn a_seed_run_on_past_the_cutoff_is_the_same_run_up_to_the_cutoff() {
+        let overrides = scenario_cluster::ScenarioOverrides {
+            strategies: Some("elastic".into()),
+            max_virtual_s: Some(3.0),
+            ..scenario_cluster::ScenarioOverrides::default()
+        };
+        let loaded = scenario_cluster::load("fidelity-smoke", &overrides).unwrap();
+        let short = crate::simulate_cmd::simulate_strategy(
+            &loaded.scenario,
+            &loaded.task,
+            "elastic",
+            &mut |_| {},
+        )
+        .unwrap();
+        let mut longer = loaded.scenario.clone();
+        longer.max_virtual_s = 4.5;
+        let long =
+            crate::simulate_cmd::simulate_strategy(&longer, &loaded.task, "elastic", &mut |_| {})
+                .unwrap();
+        // Every evaluation before the short run's end (its last point is its final one).
+        let before: Vec<_> = short.series[..short.series.len() - 1].to_vec();
+        assert!(!before.is_empty());
+        assert_eq!(before, long.series[..before.len()].to_vec());
+        assert!(long.series.last().unwrap().time_s > 3.0);
     }
 
     #[test]
@@ -706,6 +788,7 @@ mod tests {
                 },
             )]),
             pace: None,
+            past_cutoff: None,
         }
     }
 

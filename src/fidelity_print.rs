@@ -105,6 +105,16 @@ pub(crate) fn print_report(r: &FidelityReport) {
                 pct(p.bytes_error),
             );
         }
+        if let Some(p) = &s.past_cutoff {
+            println!(
+                "  past the cutoff: the simulated seeds run on to {:.0} s reach the target at {}: typical {} against the real {} ({})",
+                p.virtual_s,
+                joined(&p.sim_times_s, |t| secs(*t)),
+                secs(p.sim_time_to_target_s),
+                secs(s.real_time_to_target_s),
+                pct(p.time_to_target_error),
+            );
+        }
         if s.real_pace_overruns > 0 {
             println!(
                 "[WARN] {}: {} paced steps overran their device class's step time on this machine",

@@ -12,6 +12,7 @@ mod compare;
 mod coordinator_cmd;
 mod fidelity_cmd;
 mod fidelity_pace;
+mod fidelity_past_cutoff;
 mod fidelity_print;
 mod fidelity_reuse;
 mod fidelity_seeds;
