@@ -10,8 +10,8 @@ entry per delta: cut, then acknowledged) it prints per file and layer: the delta
 the exchange time (cut to acknowledgement) and the time from one cut of the layer to the next
 on the same node, as 10th / 50th / 90th percentiles over deltas cut before 55 s; then, for the
 last layer (`head` in the MLP), the exchanges slower than 0.9 s per 10 s of the run, and the
-deltas the aggregator applied with their mean staleness. docs/fidelity.md ("Why the model's
-`elastic` ends higher on `fidelity-fcc`") quotes them.
+deltas the aggregator applied with their mean staleness. docs/fidelity.md (how to read the cells:
+"The model's devices sync the small `head` layer …") quotes them.
 """
 import collections
 import json
